@@ -1,0 +1,29 @@
+# The two commands of the README: `make tour` and `make test`. Both set up what is missing first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.fabriclab-installed
+
+.PHONY: tour test setup system-deps lab clean
+
+tour: setup
+	$(PY) -m fabriclab tour --lessons lessons --out build/lessons
+
+test: setup
+	$(PY) -m pytest tests lessons --nbval -p no:cacheprovider
+
+setup: system-deps $(STAMP)
+
+system-deps:
+	@scripts/install-system-deps
+
+$(STAMP): pyproject.toml setup.py $(wildcard native/*)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[lab,test]'
+	@touch $@
+
+lab: setup
+	$(VENV)/bin/jupyter lab lessons/
+
+clean:
+	rm -rf build $(VENV) fabriclab/_fabric*.so *.egg-info

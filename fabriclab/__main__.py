@@ -1,0 +1,110 @@
+"""``python -m fabriclab COMMAND``: info about this machine's fabric, and the course's tools."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import cli, fi, gpu
+
+
+def provider_report(provider: str) -> dict:
+    entries = fi.getinfo(provider)
+    hmem = fi.getinfo(provider, hmem=None)[0].hmem
+    seen, domains = set(), []
+    for info in entries:
+        if info.domain in seen:
+            continue
+        seen.add(info.domain)
+        nic = info.nic
+        domains.append({
+            "domain": info.domain, "fabric": info.fabric, "addr_format": info.addr_format_name,
+            "mr_mode": info.mr_mode_names, "mode": info.mode_names, "max_msg_size": info.max_msg_size,
+            "inject_size": info.inject_size, "cq_data_size": info.cq_data_size, "tx_size": info.tx_size,
+            "nic": None if nic is None else {"name": nic.name, "pci": nic.pci, "link_speed_bps": nic.link_speed_bps,
+                                             "state": nic.link_state, "mtu": nic.mtu},
+        })
+    return {"provider": provider, "hmem": hmem, "domains": domains}
+
+
+def info_report() -> dict:
+    providers = fi.available_providers()
+    try:
+        default = fi.default_provider()
+    except fi.FabricError:
+        default = None
+    return {
+        "libfabric": fi.library_version(),
+        "default_provider": default,
+        "providers": [provider_report(p) for p in providers],
+        "cuda": gpu.cuda_status(),
+        "gpus": [vars(d) for d in gpu.devices()],
+    }
+
+
+def print_info(report: dict) -> None:
+    print(f"libfabric {report['libfabric']}; default provider: {report['default_provider']}")
+    for p in report["providers"]:
+        mark = "*" if p["provider"] == report["default_provider"] else " "
+        print(f"{mark} {p['provider']}  (FI_HMEM {'offered' if p['hmem'] else 'not offered'})")
+        for d in p["domains"]:
+            nic = d["nic"]
+            extra = ""
+            if nic:
+                extra = "".join([f", pci {nic['pci']}" if nic["pci"] else "",
+                                 f", link {nic['link_speed_bps'] / 1e9:g} Gbps" if nic["link_speed_bps"] else ""])
+            print(f"    domain {d['domain']:<14} fabric {d['fabric']:<16} {d['addr_format']:<16} "
+                  f"mr_mode [{' '.join(d['mr_mode']) or '-'}] inject {d['inject_size']} "
+                  f"cq_data {d['cq_data_size']}B{extra}")
+    if report["gpus"]:
+        for g in report["gpus"]:
+            print(f"GPU {g['index']}: {g['name']} at {g['pci']}, {g['memory_bytes'] / 2**30:.0f} GiB")
+    else:
+        print(f"GPUs: none ({report['cuda']})")
+
+
+def cmd_info(args) -> int:
+    report = info_report()
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_info(report)
+    return 0
+
+
+def cmd_tour(args) -> int:
+    from . import tour
+    return tour.main(args)
+
+
+def _tour_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lessons", default="lessons", help="folder of lesson notebooks (default %(default)s)")
+    p.add_argument("--out", default="build/lessons", help="where executed notebooks go (default %(default)s)")
+
+
+COMMANDS = {
+    "info": ("providers, domains/NICs, FI_HMEM support and CUDA devices on this machine", cmd_info,
+             lambda p: p.add_argument("--json", action="store_true", help="one JSON object")),
+    "tour": ("run every lesson headless and print the measured figures beside the article's", cmd_tour, _tour_args),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fabriclab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, _, add_args) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command][1](args)
+
+
+def entry() -> None:
+    cli.run(main, sys.argv[1:])
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,99 @@
+"""Command-line plumbing shared by every stage: common options, the serve loop's stop signal, and errors
+printed as one line (no traceback) with a non-zero exit status."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Callable
+
+from . import fi
+from .peers import ServerExited
+
+
+def add_fabric_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--provider", default=None,
+                        help="libfabric provider (default: $FABRICLAB_PROVIDER, else the best available)")
+    parser.add_argument("--domain", default=None,
+                        help="domain / NIC name, e.g. lo under tcp;ofi_rxm (default: $FABRICLAB_DOMAIN or the first)")
+    parser.add_argument("--timeout", type=float, default=fi.DEFAULT_TIMEOUT,
+                        help="seconds any single wait may take before it is an error (default %(default)s)")
+
+
+def positive_size(text: str) -> int:
+    """argparse type for byte counts: 4096, 64K, 1M, 16MiB."""
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be larger than zero")
+    return value
+
+
+def parse_size(text: str | int) -> int:
+    if isinstance(text, int):
+        return text
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    number = t[:-1] if scale > 1 else t
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (examples: 4096, 64K, 1M, 2G)") from None
+
+
+class StopSignal:
+    """Set when the server should stop: SIGTERM, SIGINT, or (with --until-stdin-closes) stdin at EOF."""
+
+    def __init__(self, watch_stdin: bool):
+        self._event = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._event.set())
+        if watch_stdin:
+            threading.Thread(target=self._watch_stdin, daemon=True).start()
+
+    def _watch_stdin(self) -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        except (OSError, ValueError):
+            pass
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+
+def stage_parser(description: str) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``serve`` / ``connect ADDRESS`` command line every stage module has."""
+    parser = argparse.ArgumentParser(description=description)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="open an endpoint, print its address as one hex line, serve until stopped")
+    add_fabric_options(serve)
+    serve.add_argument("--until-stdin-closes", action="store_true",
+                       help="also stop when standard input closes (how the launcher stops servers)")
+    connect = sub.add_parser("connect", help="connect to a server by the address it printed")
+    add_fabric_options(connect)
+    connect.add_argument("address", help="the hex line the server printed")
+    return parser, serve, connect
+
+
+def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
+    """Run a command's main; bad input and fabric errors end it with one line on stderr, never a traceback."""
+    try:
+        code = main(argv)
+    except fi.UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (fi.FabricError, ServerExited) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code or 0)

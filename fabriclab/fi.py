@@ -1,0 +1,987 @@
+"""fabriclab.fi — a thin, complete Python binding of the libfabric calls the course uses.
+
+Objects mirror libfabric's tree (Fabric → Domain → CompletionQueue, AddressVector, Endpoint, MemoryRegion)
+and are context managers; closing a parent closes its children first, newest first, so an endpoint is
+closed before the queues it is bound to. Closing twice is harmless.
+
+The binding honours what ``fi_getinfo`` returns instead of branching on provider names: memory
+registration modes (FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_PROV_KEY, FI_MR_ENDPOINT), the FI_CONTEXT/FI_CONTEXT2
+modes (every operation owns a context that stays alive until its completion is read), and the sizes the
+provider reports.
+"""
+from __future__ import annotations
+
+import collections
+import errno as _errno
+import itertools
+import os
+import socket
+import string
+import struct
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from ._fabric import ffi, lib
+
+#: Providers in the order fabriclab prefers them when none is named: real RDMA NICs first, then the
+#: shared-memory provider (two processes on one host), then TCP (any network, loopback included).
+PREFERRED_PROVIDERS = ("efa", "verbs;ofi_rxm", "shm", "tcp;ofi_rxm")
+DEFAULT_TIMEOUT = 10.0
+
+CAPS_MSG = lib.FI_MSG
+CAPS_RMA = lib.FI_RMA
+DEFAULT_CAPS = lib.FI_MSG | lib.FI_RMA
+# The registration modes fabriclab knows how to honour; the provider picks the ones it needs.
+SUPPORTED_MR_MODES = (lib.FI_MR_LOCAL | lib.FI_MR_VIRT_ADDR | lib.FI_MR_ALLOCATED | lib.FI_MR_PROV_KEY
+                      | lib.FI_MR_ENDPOINT | lib.FI_MR_HMEM)
+SUPPORTED_MODES = lib.FI_CONTEXT | lib.FI_CONTEXT2
+ACCESS_ALL = (lib.FI_SEND | lib.FI_RECV | lib.FI_READ | lib.FI_WRITE | lib.FI_REMOTE_READ
+              | lib.FI_REMOTE_WRITE)
+
+_MR_MODE_NAMES = {lib.FI_MR_LOCAL: "FI_MR_LOCAL", lib.FI_MR_RAW: "FI_MR_RAW",
+                  lib.FI_MR_VIRT_ADDR: "FI_MR_VIRT_ADDR", lib.FI_MR_ALLOCATED: "FI_MR_ALLOCATED",
+                  lib.FI_MR_PROV_KEY: "FI_MR_PROV_KEY", lib.FI_MR_MMU_NOTIFY: "FI_MR_MMU_NOTIFY",
+                  lib.FI_MR_RMA_EVENT: "FI_MR_RMA_EVENT", lib.FI_MR_ENDPOINT: "FI_MR_ENDPOINT",
+                  lib.FI_MR_HMEM: "FI_MR_HMEM"}
+_MODE_NAMES = {lib.FI_CONTEXT: "FI_CONTEXT", lib.FI_CONTEXT2: "FI_CONTEXT2", lib.FI_RX_CQ_DATA: "FI_RX_CQ_DATA",
+               lib.FI_LOCAL_MR: "FI_LOCAL_MR", lib.FI_MSG_PREFIX: "FI_MSG_PREFIX"}
+_ADDR_FORMAT_NAMES = {lib.FI_FORMAT_UNSPEC: "FI_FORMAT_UNSPEC", lib.FI_SOCKADDR: "FI_SOCKADDR",
+                      lib.FI_SOCKADDR_IN: "FI_SOCKADDR_IN", lib.FI_SOCKADDR_IN6: "FI_SOCKADDR_IN6",
+                      lib.FI_SOCKADDR_IB: "FI_SOCKADDR_IB", lib.FI_ADDR_PSMX: "FI_ADDR_PSMX",
+                      lib.FI_ADDR_GNI: "FI_ADDR_GNI", lib.FI_ADDR_BGQ: "FI_ADDR_BGQ",
+                      lib.FI_ADDR_MLX: "FI_ADDR_MLX", lib.FI_ADDR_STR: "FI_ADDR_STR",
+                      lib.FI_ADDR_PSMX2: "FI_ADDR_PSMX2", lib.FI_ADDR_IB_UD: "FI_ADDR_IB_UD",
+                      lib.FI_ADDR_EFA: "FI_ADDR_EFA"}
+_ERRNO_NAMES = {getattr(lib, n): n for n in dir(lib) if n.startswith("FI_E") and isinstance(getattr(lib, n), int)
+                and n not in ("FI_EP_MSG", "FI_EP_DGRAM", "FI_EP_RDM")}
+
+
+def fi_version(major: int, minor: int) -> int:
+    """FI_VERSION(major, minor) of rdma/fabric.h."""
+    return (major << 16) | minor
+
+
+def api_version() -> int:
+    """The newest API version both this build's headers and the loaded library speak."""
+    return min(lib.fi_version(), fi_version(lib.FI_MAJOR_VERSION, lib.FI_MINOR_VERSION))
+
+
+def library_version() -> str:
+    v = lib.fi_version()
+    return f"{v >> 16}.{v & 0xFFFF}"
+
+
+def flag_names(value: int, names: dict[int, str]) -> list[str]:
+    return [name for bit, name in names.items() if value & bit]
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+class FabricError(RuntimeError):
+    """A libfabric call failed: carries the call, the errno (positive) and its name, and libfabric's text.
+
+    ``detail`` holds provider-specific text (``fi_cq_strerror``) for errors read from a completion queue,
+    ``token`` the caller's token of the operation that failed, when there is one.
+    """
+
+    def __init__(self, call: str, code: int, detail: str = "", token: Any = None, message: str | None = None):
+        self.call = call
+        self.errno = abs(int(code))
+        self.errno_name = errno_name(self.errno)
+        self.strerror = ffi.string(lib.fi_strerror(self.errno)).decode(errors="replace")
+        self.detail = detail
+        self.token = token
+        text = message or f"{call} failed: {self.errno_name} ({self.strerror})"
+        if detail:
+            text += f": {detail}"
+        super().__init__(text)
+
+
+class FabricTimeout(FabricError, TimeoutError):
+    """A wait ran out of time: the peer is gone, stalled, or never answered."""
+
+    def __init__(self, what: str, timeout: float, hint: str = ""):
+        msg = f"{what} did not happen within {timeout:g} s"
+        if hint:
+            msg += f" ({hint})"
+        super().__init__(what, lib.FI_ETIMEDOUT, message=msg)
+        self.timeout = timeout
+
+
+class UsageError(ValueError):
+    """Bad input detected before any libfabric call: the message names the problem and the fix."""
+
+
+def errno_name(code: int) -> str:
+    code = abs(int(code))
+    fi_name = _ERRNO_NAMES.get(code)
+    if fi_name:
+        return fi_name
+    return _errno.errorcode.get(code, f"errno {code}")
+
+
+def check(rc: int, call: str) -> int:
+    if rc < 0:
+        raise FabricError(call, rc)
+    return rc
+
+
+# ----------------------------------------------------------------------------------------------- info
+
+
+@dataclass(frozen=True)
+class Nic:
+    """What fi_getinfo says about the NIC behind a domain (all optional: software providers say little)."""
+    name: str | None
+    pci: str | None
+    link_speed_bps: int | None
+    link_state: str | None
+    mtu: int | None
+
+    def describe(self) -> str:
+        parts = [self.name or "?"]
+        if self.pci:
+            parts.append(f"pci {self.pci}")
+        if self.link_speed_bps:
+            parts.append(f"link {self.link_speed_bps / 1e9:g} Gbps")
+        return ", ".join(parts)
+
+
+def _cstr(ptr) -> str | None:
+    return ffi.string(ptr).decode(errors="replace") if ptr != ffi.NULL else None
+
+
+class _InfoList:
+    """Owns one fi_getinfo result and frees it when nothing refers to it any more."""
+
+    def __init__(self, head):
+        self.head = head
+        weakref.finalize(self, lib.fi_freeinfo, head)
+
+
+class Info:
+    """One fi_info entry: a provider on a domain (a NIC), with the attributes fabriclab relies on."""
+
+    def __init__(self, owner: _InfoList, ptr):
+        self._owner = owner
+        self.ptr = ptr
+        d, f, ep, tx, rx = ptr.domain_attr, ptr.fabric_attr, ptr.ep_attr, ptr.tx_attr, ptr.rx_attr
+        self.provider = _cstr(f.prov_name)
+        self.fabric = _cstr(f.name)
+        self.domain = _cstr(d.name)
+        self.caps = int(ptr.caps)
+        self.mode = int(ptr.mode)
+        self.mr_mode = int(d.mr_mode)
+        self.addr_format = int(ptr.addr_format)
+        self.max_msg_size = int(ep.max_msg_size)
+        self.inject_size = int(tx.inject_size)
+        self.cq_data_size = int(d.cq_data_size)
+        self.tx_size = int(tx.size)
+        self.rx_size = int(rx.size)
+        self.threading = int(d.threading)
+        self.data_progress = int(d.data_progress)
+        self.hmem = bool(self.caps & lib.FI_HMEM)
+        self.nic = self._nic(ptr.nic)
+
+    @staticmethod
+    def _nic(nic) -> Nic | None:
+        if nic == ffi.NULL:
+            return None
+        name = pci = state = None
+        speed = mtu = None
+        if nic.device_attr != ffi.NULL:
+            name = _cstr(nic.device_attr.name)
+        if nic.bus_attr != ffi.NULL and nic.bus_attr.bus_type == lib.FI_BUS_PCI:
+            p = nic.bus_attr.attr.pci
+            pci = f"{p.domain_id:04x}:{p.bus_id:02x}:{p.device_id:02x}.{p.function_id:x}"
+        if nic.link_attr != ffi.NULL:
+            speed = int(nic.link_attr.speed) or None
+            mtu = int(nic.link_attr.mtu) or None
+            state = "up" if nic.link_attr.state == lib.FI_LINK_UP else "down"
+        return Nic(name, pci, speed, state, mtu)
+
+    @property
+    def mr_mode_names(self) -> list[str]:
+        return flag_names(self.mr_mode, _MR_MODE_NAMES)
+
+    @property
+    def mode_names(self) -> list[str]:
+        return flag_names(self.mode, _MODE_NAMES)
+
+    @property
+    def addr_format_name(self) -> str:
+        return _ADDR_FORMAT_NAMES.get(self.addr_format, str(self.addr_format))
+
+    @property
+    def virt_addr(self) -> bool:
+        """Remote addresses are virtual addresses (else offsets into the registered region)."""
+        return bool(self.mr_mode & lib.FI_MR_VIRT_ADDR)
+
+    @property
+    def prov_key(self) -> bool:
+        return bool(self.mr_mode & lib.FI_MR_PROV_KEY)
+
+    def __repr__(self) -> str:
+        return f"<Info provider={self.provider!r} domain={self.domain!r} fabric={self.fabric!r}>"
+
+
+def _hints(provider: str | None, caps: int, ep_type: int):
+    hints = lib.fi_allocinfo()
+    if hints == ffi.NULL:
+        raise MemoryError("fi_allocinfo")
+    hints.caps = caps
+    hints.mode = SUPPORTED_MODES
+    hints.ep_attr.type = ep_type
+    hints.domain_attr.mr_mode = SUPPORTED_MR_MODES
+    if provider:
+        hints.fabric_attr.prov_name = lib.strdup(provider.encode())  # fi_freeinfo frees it
+    return hints
+
+
+def _getinfo_raw(provider: str | None, caps: int, ep_type: int) -> list[Info]:
+    hints = _hints(provider, caps, ep_type)
+    out = ffi.new("struct fi_info **")
+    try:
+        rc = lib.fi_getinfo(api_version(), ffi.NULL, ffi.NULL, 0, hints, out)
+    finally:
+        lib.fi_freeinfo(hints)
+    if rc == -lib.FI_ENODATA:
+        return []
+    check(rc, f"fi_getinfo(provider={provider!r})")
+    owner = _InfoList(out[0])
+    infos, seen, p = [], set(), out[0]
+    while p != ffi.NULL:
+        info = Info(owner, p)
+        # Providers list one entry per variant they support (threading, progress, ...); keep the first.
+        key = (info.provider, info.fabric, info.domain, info.addr_format)
+        if key not in seen:
+            seen.add(key)
+            infos.append(info)
+        p = p.next
+    return infos
+
+
+def available_providers(caps: int = DEFAULT_CAPS, ep_type: int = lib.FI_EP_RDM) -> list[str]:
+    """Names of the providers that offer reliable-datagram endpoints with these capabilities here."""
+    seen = []
+    for info in _getinfo_raw(None, caps, ep_type):
+        if info.provider not in seen:
+            seen.append(info.provider)
+    return seen
+
+
+def default_provider(caps: int = DEFAULT_CAPS) -> str:
+    """$FABRICLAB_PROVIDER, else the first of PREFERRED_PROVIDERS available here."""
+    named = os.environ.get("FABRICLAB_PROVIDER")
+    if named:
+        return named
+    available = available_providers(caps)
+    for name in PREFERRED_PROVIDERS:
+        if name in available:
+            return name
+    if available:
+        return available[0]
+    raise FabricError("fi_getinfo", lib.FI_ENODATA,
+                      message="no libfabric provider offers reliable-datagram endpoints on this machine "
+                              "(is libfabric installed? try `fi_info -l`)")
+
+
+def getinfo(provider: str | None = None, domain: str | None = None, *, caps: int = DEFAULT_CAPS,
+            hmem: bool | None = False, ep_type: int = lib.FI_EP_RDM) -> list[Info]:
+    """fi_getinfo for reliable-datagram endpoints: every (provider, domain) entry that fits.
+
+    ``provider`` defaults to $FABRICLAB_PROVIDER, then the best available (see PREFERRED_PROVIDERS);
+    ``domain`` (a NIC name such as ``lo`` or ``rdmap79s0-rdm``) defaults to $FABRICLAB_DOMAIN when that
+    names one of the provider's domains, else all of them. ``hmem=False`` (host memory only) leaves
+    FI_HMEM out, ``True`` insists on it, ``None`` asks for it and quietly drops it when not offered.
+    """
+    provider = provider or default_provider(caps)
+    if not isinstance(provider, str) or not provider.strip():
+        raise UsageError("provider must be a non-empty string such as 'shm' or 'tcp;ofi_rxm'")
+    infos = []
+    if hmem is not False:
+        infos = _getinfo_raw(provider, caps | lib.FI_HMEM, ep_type)
+    if not infos and not hmem:
+        infos = _getinfo_raw(provider, caps, ep_type)
+    if not infos:
+        available = available_providers(caps, ep_type)
+        if provider in available and hmem:
+            raise UsageError(f"provider {provider!r} does not offer FI_HMEM (device memory) here")
+        raise UsageError(f"unknown or unusable provider {provider!r}; available here: "
+                         f"{', '.join(available) or 'none'} (set --provider or FABRICLAB_PROVIDER)")
+    wanted = domain or os.environ.get("FABRICLAB_DOMAIN")
+    if wanted:
+        chosen = [i for i in infos if i.domain == wanted]
+        if chosen:
+            return chosen
+        if domain:
+            names = sorted({i.domain for i in infos})
+            raise UsageError(f"provider {provider!r} has no domain {domain!r}; its domains here: {', '.join(names)}")
+    return infos
+
+
+def domains(provider: str | None = None, *, caps: int = DEFAULT_CAPS) -> list[Info]:
+    """One Info per distinct domain (NIC) of a provider, in fi_getinfo's order."""
+    seen, out = set(), []
+    for info in getinfo(provider, caps=caps):
+        if info.domain not in seen:
+            seen.add(info.domain)
+            out.append(info)
+    return out
+
+
+# ----------------------------------------------------------------------------------- resource tree
+
+
+class Resource:
+    """A libfabric object: a context manager that closes its children (newest first) before itself."""
+
+    _fid_call = "fi_close"
+
+    def __init__(self, parent: "Resource | None"):
+        self._children: list[Resource] = []
+        self._closed = False
+        self._ptr = None
+        self.parent = parent
+        if parent is not None:
+            if parent.closed:
+                raise UsageError(f"cannot create a {type(self).__name__} under a closed {type(parent).__name__}")
+            parent._children.append(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _fid(self):
+        return ffi.addressof(self._ptr[0], "fid") if self._ptr is not None else ffi.NULL
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        first_error = None
+        for child in reversed(self._children):
+            try:
+                child.close()
+            except FabricError as exc:
+                first_error = first_error or exc
+        self._children.clear()
+        if self._ptr is not None:
+            rc = lib.fi_close(self._fid())
+            self._ptr = None
+            if rc < 0 and first_error is None:
+                first_error = FabricError(f"fi_close({type(self).__name__})", rc)
+        self._release()
+        if self.parent is not None and self in self.parent._children:
+            self.parent._children.remove(self)
+        if first_error is not None:
+            raise first_error
+
+    def _release(self) -> None:
+        """Drop Python-side references once the libfabric object is gone."""
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise UsageError(f"{type(self).__name__} is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    @property
+    def children(self) -> list["Resource"]:
+        return list(self._children)
+
+
+class Fabric(Resource):
+    """fi_fabric for an Info; the root of a resource tree (closed at the latest when garbage-collected)."""
+
+    def __init__(self, info: Info):
+        super().__init__(None)
+        self.info = info
+        out = ffi.new("struct fid_fabric **")
+        check(lib.fi_fabric(info.ptr.fabric_attr, out, ffi.NULL), "fi_fabric")
+        self._ptr = out[0]
+        self._finalizer = weakref.finalize(self, Fabric._close_quietly, weakref.ref(self))
+
+    @staticmethod
+    def _close_quietly(ref):
+        obj = ref()
+        if obj is not None:
+            try:
+                obj.close()
+            except FabricError:
+                pass
+
+    def domain(self, info: Info | None = None) -> "Domain":
+        return Domain(self, info or self.info)
+
+
+class Domain(Resource):
+    """fi_domain: one NIC (or one software domain such as shm, or one network interface under tcp)."""
+
+    def __init__(self, fabric: Fabric, info: Info | None = None):
+        super().__init__(fabric)
+        self.info = info or fabric.info
+        out = ffi.new("struct fid_domain **")
+        check(lib.fi_domain(fabric._ptr, self.info.ptr, out, ffi.NULL), f"fi_domain({self.info.domain})")
+        self._ptr = out[0]
+        self._next_key = itertools.count(1)
+
+    def completion_queue(self, size: int = 0) -> "CompletionQueue":
+        return CompletionQueue(self, size)
+
+    def address_vector(self) -> "AddressVector":
+        return AddressVector(self)
+
+    def endpoint(self, cq: "CompletionQueue", av: "AddressVector") -> "Endpoint":
+        return Endpoint(self, cq, av)
+
+    def register(self, buffer, **kw) -> "MemoryRegion":
+        return MemoryRegion(self, buffer, **kw)
+
+
+@dataclass
+class Completion:
+    """One completion queue entry. ``token`` is what the poster passed (None for remote writes' data)."""
+    token: Any
+    flags: int
+    length: int
+    data: int
+
+    @property
+    def is_remote_write(self) -> bool:
+        return bool(self.flags & lib.FI_REMOTE_WRITE)
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self.flags & lib.FI_REMOTE_CQ_DATA)
+
+
+class CompletionQueue(Resource):
+    """fi_cq_open with FI_CQ_FORMAT_DATA. Keeps each posted operation's context alive until it completes.
+
+    ``poll`` returns completions; an error entry raises FabricError with fi_cq_strerror's text and the
+    failed operation's token.
+    """
+
+    BATCH = 16
+
+    def __init__(self, domain: Domain, size: int = 0):
+        super().__init__(domain)
+        attr = ffi.new("struct fi_cq_attr *")
+        attr.size = size
+        attr.format = lib.FI_CQ_FORMAT_DATA
+        attr.wait_obj = lib.FI_WAIT_NONE
+        out = ffi.new("struct fid_cq **")
+        check(lib.fi_cq_open(domain._ptr, attr, out, ffi.NULL), "fi_cq_open")
+        self._ptr = out[0]
+        self._entries = ffi.new("struct fi_cq_data_entry[]", self.BATCH)
+        self._err = ffi.new("struct fi_cq_err_entry *")
+        self._errbuf = ffi.new("char[]", 256)
+        self._inflight: dict[int, tuple[Any, Any]] = {}
+        self._backlog: collections.deque[Completion] = collections.deque()
+        self.polls = 0
+
+    def new_context(self, token: Any):
+        """A fresh operation context (big enough for FI_CONTEXT and FI_CONTEXT2) tied to ``token``."""
+        ctx = ffi.new("struct fi_context2 *")
+        self._inflight[int(ffi.cast("uintptr_t", ctx))] = (ctx, token)
+        return ctx
+
+    def forget_context(self, ctx) -> None:
+        """Undo new_context for an operation that was never posted (e.g. the post returned -FI_EAGAIN)."""
+        self._inflight.pop(int(ffi.cast("uintptr_t", ctx)), None)
+
+    @property
+    def outstanding(self) -> int:
+        """Operations posted through this queue whose completion has not been read yet."""
+        return len(self._inflight)
+
+    def _token(self, op_context) -> Any:
+        if op_context == ffi.NULL:
+            return None
+        ctx = self._inflight.pop(int(ffi.cast("uintptr_t", op_context)), None)
+        return ctx[1] if ctx else None
+
+    def poll(self, max_entries: int = BATCH) -> list[Completion]:
+        """Read up to max_entries completions without blocking (this also drives software progress)."""
+        self._require_open()
+        if self._backlog:
+            return [self._backlog.popleft() for _ in range(min(max_entries, len(self._backlog)))]
+        self.polls += 1
+        n = lib.fi_cq_read(self._ptr, self._entries, min(max_entries, self.BATCH))
+        if n == -lib.FI_EAGAIN:
+            return []
+        if n == -lib.FI_EAVAIL:
+            self._raise_error_entry()
+        check(n, "fi_cq_read")
+        e = self._entries
+        return [Completion(self._token(e[i].op_context), int(e[i].flags), int(e[i].len), int(e[i].data))
+                for i in range(n)]
+
+    def progress(self) -> None:
+        """Drive progress while keeping completions for the next poll (used while retrying -FI_EAGAIN)."""
+        if not self._backlog:
+            self._backlog.extend(self.poll())
+
+    def _raise_error_entry(self):
+        rc = lib.fi_cq_readerr(self._ptr, self._err, 0)
+        if rc < 0:
+            raise FabricError("fi_cq_readerr", rc)
+        err = self._err
+        detail = lib.fi_cq_strerror(self._ptr, err.prov_errno, err.err_data, self._errbuf, len(self._errbuf))
+        text = _cstr(detail) or ""
+        token = self._token(err.op_context)
+        raise FabricError("completion", err.err, detail=text, token=token)
+
+    def wait(self, done: Callable[[], bool], timeout: float, what: str,
+             on_completion: Callable[[Completion], None], hint: str = "") -> None:
+        """Poll until ``done()`` is true, handing each completion to ``on_completion``; FabricTimeout
+        after ``timeout`` seconds. Spins while busy, then backs off gently so an idle peer does not burn
+        a core (software providers only progress while someone polls)."""
+        deadline = time.monotonic() + timeout
+        idle_since = time.monotonic()
+        while not done():
+            got = self.poll()
+            for c in got:
+                on_completion(c)
+            now = time.monotonic()
+            if got:
+                idle_since = now
+            elif now > deadline:
+                raise FabricTimeout(what, timeout, hint)
+            elif now - idle_since > 0.05:
+                time.sleep(0.0002)
+
+    def _release(self) -> None:
+        self._inflight.clear()
+        self._backlog.clear()
+
+
+class AddressVector(Resource):
+    """fi_av_open: maps peers' raw addresses to fi_addr_t handles."""
+
+    def __init__(self, domain: Domain):
+        super().__init__(domain)
+        attr = ffi.new("struct fi_av_attr *")
+        attr.type = domain.info.ptr.domain_attr.av_type
+        out = ffi.new("struct fid_av **")
+        check(lib.fi_av_open(domain._ptr, attr, out, ffi.NULL), "fi_av_open")
+        self._ptr = out[0]
+        self.info = domain.info
+
+    def insert(self, address: "Address | bytes") -> int:
+        """Insert one peer; returns its fi_addr_t. A bytes argument is taken as this provider's raw format."""
+        self._require_open()
+        raw = address.raw if isinstance(address, Address) else bytes(address)
+        if isinstance(address, Address):
+            address.check_compatible(self.info)
+        out = ffi.new("fi_addr_t *")
+        n = lib.fi_av_insert(self._ptr, raw, 1, out, 0, ffi.NULL)
+        if n != 1:
+            raise FabricError("fi_av_insert", n if n < 0 else lib.FI_EINVAL,
+                              message=None if n < 0 else "fi_av_insert rejected the address")
+        return int(out[0])
+
+    def remove(self, fi_addr: int) -> None:
+        self._require_open()
+        addrs = ffi.new("fi_addr_t[1]", [fi_addr])
+        check(lib.fi_av_remove(self._ptr, addrs, 1, 0), "fi_av_remove")
+
+
+class MemoryRegion(Resource):
+    """fi_mr_regattr over a writable buffer (numpy array, bytearray, memoryview) or a raw pointer.
+
+    Registration follows the domain's mr_mode: a key of the caller's choosing unless FI_MR_PROV_KEY,
+    binding to an endpoint under FI_MR_ENDPOINT, and remote addresses that are virtual addresses under
+    FI_MR_VIRT_ADDR or offsets otherwise (``remote_base``).
+    """
+
+    def __init__(self, domain: Domain, buffer=None, *, pointer: int | None = None, length: int | None = None,
+                 iface: int = lib.FI_HMEM_SYSTEM, device: int = 0, access: int = ACCESS_ALL,
+                 endpoint: "Endpoint | None" = None, keepalive: Any = None):
+        super().__init__(domain)
+        try:
+            self._register(domain, buffer, pointer, length, iface, device, access, endpoint, keepalive)
+        except BaseException:
+            self.close()
+            raise
+
+    def _register(self, domain, buffer, pointer, length, iface, device, access, endpoint, keepalive):
+        if buffer is not None:
+            try:
+                self._view = ffi.from_buffer(buffer, require_writable=True)
+            except TypeError as exc:
+                raise UsageError(f"cannot register {type(buffer).__name__}: needs a writable buffer "
+                                 f"(numpy array, bytearray, memoryview) ({exc})") from None
+            self.address = int(ffi.cast("uintptr_t", self._view))
+            self.length = len(self._view)
+        else:
+            if pointer is None or length is None:
+                raise UsageError("register a buffer, or give both pointer= and length=")
+            self._view = None
+            self.address, self.length = int(pointer), int(length)
+        if self.length <= 0:
+            raise UsageError("cannot register an empty buffer")
+        self.buffer = buffer
+        self.iface = iface
+        self._keepalive = keepalive
+        self.info = domain.info
+        iov = ffi.new("struct iovec *")
+        iov.iov_base = ffi.cast("void *", self.address)
+        iov.iov_len = self.length
+        attr = ffi.new("struct fi_mr_attr *")
+        attr.mr_iov = iov
+        attr.iov_count = 1
+        attr.access = access
+        attr.requested_key = 0 if self.info.prov_key else next(domain._next_key)
+        attr.iface = iface
+        if iface != lib.FI_HMEM_SYSTEM:
+            attr.device.cuda = device
+        out = ffi.new("struct fid_mr **")
+        check(lib.fi_mr_regattr(domain._ptr, attr, 0, out), f"fi_mr_regattr({self.length} bytes)")
+        self._ptr = out[0]
+        if self.info.mr_mode & lib.FI_MR_ENDPOINT:
+            if endpoint is None:
+                raise UsageError(f"provider {self.info.provider} binds memory to an endpoint (FI_MR_ENDPOINT): "
+                                 "pass endpoint=")
+            check(lib.fi_mr_bind(self._ptr, ffi.addressof(endpoint._ptr[0], "fid"), 0), "fi_mr_bind")
+            check(lib.fi_mr_enable(self._ptr), "fi_mr_enable")
+        self.desc = lib.fi_mr_desc(self._ptr)
+        self.key = int(lib.fi_mr_key(self._ptr))
+
+    @property
+    def remote_base(self) -> int:
+        """What a peer writes to for offset 0: our virtual address under FI_MR_VIRT_ADDR, else 0."""
+        return self.address if self.info.virt_addr else 0
+
+    def remote(self) -> "RemoteRegion":
+        """What a peer needs to write here: base address (per FI_MR_VIRT_ADDR), length and key."""
+        return RemoteRegion(self.remote_base, self.length, self.key)
+
+    def pointer(self, offset: int = 0):
+        return ffi.cast("void *", self.address + offset)
+
+    def check_range(self, offset: int, length: int, what: str = "local buffer") -> None:
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise UsageError(f"{what}: bytes [{offset}, {offset + length}) fall outside the "
+                             f"{self.length}-byte registered region")
+
+    def _release(self) -> None:
+        self._view = None
+        self.buffer = None
+        self._keepalive = None
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A peer's registered memory as seen from here: where offset 0 is, how long it is, its key."""
+    base: int
+    length: int
+    key: int
+
+    FORMAT = "<QQQ"
+    SIZE = struct.calcsize(FORMAT)
+
+    def pack(self) -> bytes:
+        return struct.pack(self.FORMAT, self.base, self.length, self.key)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "RemoteRegion":
+        if len(data) < cls.SIZE:
+            raise UsageError(f"remote region descriptor is truncated: {len(data)} of {cls.SIZE} bytes")
+        return cls(*struct.unpack_from(cls.FORMAT, data))
+
+    def check_range(self, offset: int, length: int) -> None:
+        if offset < 0 or length <= 0 or offset + length > self.length:
+            raise UsageError(f"write of {length} bytes at remote offset {offset} falls outside the peer's "
+                             f"{self.length}-byte region")
+
+
+class Endpoint(Resource):
+    """fi_endpoint bound to a completion queue (transmit and receive) and an address vector, enabled."""
+
+    def __init__(self, domain: Domain, cq: CompletionQueue, av: AddressVector):
+        super().__init__(domain)
+        self.info = domain.info
+        self.cq = cq
+        self.av = av
+        out = ffi.new("struct fid_ep **")
+        check(lib.fi_endpoint(domain._ptr, self.info.ptr, out, ffi.NULL), "fi_endpoint")
+        self._ptr = out[0]
+        check(lib.fi_ep_bind(self._ptr, cq._fid(), lib.FI_TRANSMIT | lib.FI_RECV), "fi_ep_bind(cq)")
+        check(lib.fi_ep_bind(self._ptr, av._fid(), 0), "fi_ep_bind(av)")
+        check(lib.fi_enable(self._ptr), "fi_enable")
+        self._msg = ffi.new("struct fi_msg_rma *")
+        self._iov = ffi.new("struct iovec *")
+        self._rma_iov = ffi.new("struct fi_rma_iov *")
+        self._desc = ffi.new("void *[1]")
+        self._msg.msg_iov = self._iov
+        self._msg.desc = self._desc
+        self._msg.iov_count = 1
+        self._msg.rma_iov = self._rma_iov
+        self._msg.rma_iov_count = 1
+
+    @property
+    def name(self) -> bytes:
+        """The raw provider address of this endpoint (fi_getname)."""
+        self._require_open()
+        size = ffi.new("size_t *", 256)
+        buf = ffi.new("char[]", 256)
+        rc = lib.fi_getname(ffi.addressof(self._ptr[0], "fid"), buf, size)
+        if rc == -lib.FI_ETOOSMALL:
+            buf = ffi.new("char[]", size[0])
+            rc = lib.fi_getname(ffi.addressof(self._ptr[0], "fid"), buf, size)
+        check(rc, "fi_getname")
+        return ffi.buffer(buf, size[0])[:]
+
+    def address(self, max_message: int = 0) -> "Address":
+        return Address(self.info.provider, self.info.addr_format, self.name, max_message)
+
+    # Each post comes in two forms: try_post_* returns False on -FI_EAGAIN (the caller decides when to
+    # retry) and post_* progresses the completion queue and retries until its deadline.
+
+    def try_post_recv(self, mr: MemoryRegion, offset: int, length: int, token: Any,
+                      source: int = None) -> bool:
+        mr.check_range(offset, length)
+        ctx = self.cq.new_context(token)
+        rc = lib.fi_recv(self._ptr, mr.pointer(offset), length, mr.desc,
+                         lib.FI_ADDR_UNSPEC if source is None else source, ctx)
+        return self._posted(rc, ctx, "fi_recv")
+
+    def try_post_send(self, mr: MemoryRegion, offset: int, length: int, dest: int, token: Any) -> bool:
+        mr.check_range(offset, length)
+        if length > self.info.max_msg_size:
+            raise UsageError(f"message of {length} bytes exceeds provider {self.info.provider}'s maximum of "
+                             f"{self.info.max_msg_size} bytes")
+        ctx = self.cq.new_context(token)
+        rc = lib.fi_send(self._ptr, mr.pointer(offset), length, mr.desc, dest, ctx)
+        return self._posted(rc, ctx, "fi_send")
+
+    def try_post_write(self, mr: MemoryRegion, offset: int, length: int, dest: int, remote: RemoteRegion,
+                       remote_offset: int, token: Any, data: int | None = None, more: bool = False) -> bool:
+        """RDMA WRITE ``length`` bytes at ``offset`` of ``mr`` into ``remote`` at ``remote_offset``;
+        with ``data`` the target reads a completion carrying it (FI_REMOTE_CQ_DATA)."""
+        mr.check_range(offset, length)
+        remote.check_range(remote_offset, length)
+        if data is not None and not 0 <= data < (1 << (8 * self.info.cq_data_size)):
+            raise UsageError(f"immediate data {data} does not fit the provider's {self.info.cq_data_size}-byte "
+                             "completion data")
+        ctx = self.cq.new_context(token)
+        self._iov.iov_base = mr.pointer(offset)
+        self._iov.iov_len = length
+        self._desc[0] = mr.desc
+        self._rma_iov.addr = remote.base + remote_offset
+        self._rma_iov.len = length
+        self._rma_iov.key = remote.key
+        self._msg.addr = dest
+        self._msg.context = ctx
+        flags = lib.FI_COMPLETION
+        if data is not None:
+            self._msg.data = data
+            flags |= lib.FI_REMOTE_CQ_DATA
+        if more:
+            flags |= lib.FI_MORE
+        rc = lib.fi_writemsg(self._ptr, self._msg, flags)
+        return self._posted(rc, ctx, "fi_writemsg")
+
+    def _posted(self, rc: int, ctx, call: str) -> bool:
+        if rc == 0:
+            return True
+        self.cq.forget_context(ctx)
+        if rc == -lib.FI_EAGAIN:
+            return False
+        raise FabricError(call, rc)
+
+    def _retry(self, attempt: Callable[[], bool], what: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not attempt():
+            self.cq.progress()
+            if time.monotonic() > deadline:
+                raise FabricTimeout(f"posting {what}", timeout, "the provider kept answering -FI_EAGAIN")
+
+    def post_recv(self, mr, offset, length, token, source=None, timeout=DEFAULT_TIMEOUT) -> None:
+        self._retry(lambda: self.try_post_recv(mr, offset, length, token, source), "a receive", timeout)
+
+    def post_send(self, mr, offset, length, dest, token, timeout=DEFAULT_TIMEOUT) -> None:
+        self._retry(lambda: self.try_post_send(mr, offset, length, dest, token), "a send", timeout)
+
+    def post_write(self, mr, offset, length, dest, remote, remote_offset, token, data=None,
+                   timeout=DEFAULT_TIMEOUT) -> None:
+        self._retry(lambda: self.try_post_write(mr, offset, length, dest, remote, remote_offset, token, data),
+                    "a write", timeout)
+
+
+# ----------------------------------------------------------------------------------------- addresses
+
+_ADDR_MAGIC = b"FLAD"
+_ADDR_HEADER = struct.Struct("<4sBBIQH")  # magic, version, provider name length, format, max message, raw len
+
+
+@dataclass(frozen=True)
+class Address:
+    """An endpoint's address as fabriclab passes it between processes: the provider's raw address plus
+    what a peer needs to check it fits (provider, address format) and, optionally, the largest message
+    the endpoint has posted receives for. Printed and parsed as one hex line."""
+    provider: str
+    addr_format: int
+    raw: bytes
+    max_message: int = 0
+
+    VERSION = 1
+
+    def to_bytes(self) -> bytes:
+        prov = self.provider.encode()
+        return _ADDR_HEADER.pack(_ADDR_MAGIC, self.VERSION, len(prov), self.addr_format, self.max_message,
+                                 len(self.raw)) + prov + self.raw
+
+    def hex(self) -> str:
+        return self.to_bytes().hex()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Address":
+        if len(data) < _ADDR_HEADER.size:
+            raise UsageError(f"truncated address: {len(data)} bytes, a fabriclab address has at least "
+                             f"{_ADDR_HEADER.size} (copy the whole line the server printed)")
+        magic, version, prov_len, fmt, max_message, raw_len = _ADDR_HEADER.unpack_from(data)
+        if magic != _ADDR_MAGIC:
+            raise UsageError("not a fabriclab address (it should be the hex line the server printed)")
+        if version != cls.VERSION:
+            raise UsageError(f"address version {version} is not understood by this fabriclab (expects {cls.VERSION})")
+        need = _ADDR_HEADER.size + prov_len + raw_len
+        if len(data) != need:
+            raise UsageError(f"{'truncated' if len(data) < need else 'over-long'} address: {len(data)} bytes, "
+                             f"expected {need} (copy the whole line the server printed)")
+        prov = data[_ADDR_HEADER.size:_ADDR_HEADER.size + prov_len]
+        try:
+            provider = prov.decode()
+        except UnicodeDecodeError:
+            raise UsageError("malformed address: provider name is not text") from None
+        addr = cls(provider, fmt, bytes(data[_ADDR_HEADER.size + prov_len:]), max_message)
+        addr.check_format()
+        return addr
+
+    @classmethod
+    def parse(cls, text: "str | bytes | Address") -> "Address":
+        """Parse the hex line a server printed; every problem is a UsageError naming it."""
+        if isinstance(text, Address):
+            return text
+        if isinstance(text, (bytes, bytearray)):
+            return cls.from_bytes(bytes(text))
+        if not isinstance(text, str):
+            raise UsageError(f"an address is a hex string, not {type(text).__name__}")
+        text = text.strip()
+        if not text:
+            raise UsageError("empty address: pass the hex line the server printed")
+        bad = next((c for c in text if c not in string.hexdigits), None)
+        if bad is not None:
+            raise UsageError(f"malformed address: {bad!r} is not a hexadecimal digit")
+        if len(text) % 2:
+            raise UsageError("malformed address: odd number of hex digits (truncated when copied?)")
+        return cls.from_bytes(bytes.fromhex(text))
+
+    def check_format(self) -> None:
+        """Check the raw address against its declared format (length, family, text)."""
+        raw, fmt = self.raw, self.addr_format
+        if not raw:
+            raise UsageError("malformed address: the provider address is empty")
+        if fmt == lib.FI_SOCKADDR_IN:
+            if len(raw) < 16 or struct.unpack_from("<H", raw)[0] != socket.AF_INET:
+                raise UsageError("malformed address: not an IPv4 socket address (FI_SOCKADDR_IN)")
+        elif fmt == lib.FI_SOCKADDR_IN6:
+            if len(raw) < 28 or struct.unpack_from("<H", raw)[0] != socket.AF_INET6:
+                raise UsageError("malformed address: not an IPv6 socket address (FI_SOCKADDR_IN6)")
+        elif fmt == lib.FI_ADDR_STR:
+            body = raw.rstrip(b"\0")
+            if not body or any(b < 0x20 or b > 0x7e for b in body):
+                raise UsageError("malformed address: FI_ADDR_STR address is not printable text")
+
+    def check_compatible(self, info: Info) -> None:
+        if self.provider != info.provider:
+            raise UsageError(f"address is for provider {self.provider!r} but this endpoint uses "
+                             f"{info.provider!r}: start both sides with the same --provider")
+        if self.addr_format != info.addr_format:
+            raise UsageError(f"address format {_ADDR_FORMAT_NAMES.get(self.addr_format, self.addr_format)} does "
+                             f"not match the local endpoint's {info.addr_format_name} (different domain or "
+                             "address family on the two sides?)")
+
+    def describe(self) -> str:
+        fmt = _ADDR_FORMAT_NAMES.get(self.addr_format, str(self.addr_format))
+        if self.addr_format == lib.FI_SOCKADDR_IN:
+            port, ip = struct.unpack_from(">H4s", self.raw, 2)
+            where = f"{socket.inet_ntoa(ip)}:{port}"
+        elif self.addr_format == lib.FI_ADDR_STR:
+            where = self.raw.rstrip(b"\0").decode(errors="replace")
+        else:
+            where = self.raw.hex()
+        return f"{self.provider} {fmt} {where}"
+
+
+# ------------------------------------------------------------------------------------- one endpoint
+
+
+class EndpointStack:
+    """Fabric → Domain → CQ + AV → Endpoint for one Info: what every stage opens per NIC.
+
+    A context manager; closing it closes the whole tree. ``register`` adds memory regions to the domain.
+    """
+
+    def __init__(self, info: Info, cq_size: int = 0):
+        self.info = info
+        self.fabric = Fabric(info)
+        try:
+            self.domain = Domain(self.fabric, info)
+            self.cq = CompletionQueue(self.domain, cq_size)
+            self.av = AddressVector(self.domain)
+            self.ep = Endpoint(self.domain, self.cq, self.av)
+        except BaseException:
+            self.fabric.close()
+            raise
+
+    def register(self, buffer=None, **kw) -> MemoryRegion:
+        return MemoryRegion(self.domain, buffer, endpoint=self.ep, **kw)
+
+    def close(self) -> None:
+        self.fabric.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.fabric.closed
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def open_endpoint(provider: str | None = None, domain: str | None = None, **kw) -> EndpointStack:
+    """Open one endpoint on the first domain matching provider/domain (see getinfo)."""
+    return EndpointStack(getinfo(provider, domain, **{k: v for k, v in kw.items() if k in ("caps", "hmem")})[0],
+                         cq_size=kw.get("cq_size", 0))
+
+
+def describe_tree(root: Resource) -> list[tuple[int, str]]:
+    """(depth, label) pairs of a live resource tree, for drawing it."""
+    out = []
+
+    def walk(node: Resource, depth: int):
+        label = type(node).__name__
+        if isinstance(node, (Fabric, Domain)):
+            label += f" {node.info.domain if isinstance(node, Domain) else node.info.fabric}"
+        if isinstance(node, MemoryRegion):
+            label += f" {node.length} B key={node.key:#x}"
+        out.append((depth, label))
+        for child in node.children:
+            walk(child, depth + 1)
+
+    walk(root, 0)
+    return out

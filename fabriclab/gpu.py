@@ -1,0 +1,69 @@
+"""CUDA through cuda-python (``cuda.bindings``): which GPUs are here. Optional: without cuda-python or
+without a GPU, ``devices()`` is empty and ``require_cuda()`` explains what is missing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .fi import UsageError
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    name: str
+    pci: str  # domain:bus:device.function, lower case, as sysfs names it
+    memory_bytes: int
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # older cuda-python
+        except ImportError:
+            return None
+    return driver
+
+
+def _ok(result, call: str):
+    err, *rest = result
+    if int(err) != 0:
+        raise RuntimeError(f"{call} failed: CUDA error {int(err)}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def cuda_status() -> str:
+    """'ok', or why CUDA cannot be used here."""
+    driver = _driver()
+    if driver is None:
+        return "cuda-python is not installed (pip install 'fabriclab[gpu]')"
+    err, = driver.cuInit(0)
+    if int(err) != 0:
+        return f"no usable CUDA driver or GPU (cuInit returned {int(err)})"
+    count = _ok(driver.cuDeviceGetCount(), "cuDeviceGetCount")
+    return "ok" if count else "no CUDA GPU found"
+
+
+def require_cuda():
+    """The cuda-python driver module, initialised; UsageError naming what is missing otherwise."""
+    status = cuda_status()
+    if status != "ok":
+        raise UsageError(f"GPU memory was asked for, but {status}; use --memory host")
+    return _driver()
+
+
+def devices() -> list[GpuDevice]:
+    if cuda_status() != "ok":
+        return []
+    driver = _driver()
+    out = []
+    for index in range(_ok(driver.cuDeviceGetCount(), "cuDeviceGetCount")):
+        dev = _ok(driver.cuDeviceGet(index), "cuDeviceGet")
+        name = _ok(driver.cuDeviceGetName(64, dev), "cuDeviceGetName")
+        name = name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
+        pci = _ok(driver.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId")
+        pci = pci.split(b"\0", 1)[0].decode() if isinstance(pci, bytes) else str(pci)
+        memory = _ok(driver.cuDeviceTotalMem(dev), "cuDeviceTotalMem")
+        out.append(GpuDevice(index, name, pci.lower(), int(memory)))
+    return out
