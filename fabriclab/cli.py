@@ -3,6 +3,7 @@ printed as one line (no traceback) with a non-zero exit status."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -55,8 +56,10 @@ class StopSignal:
             threading.Thread(target=self._watch_stdin, daemon=True).start()
 
     def _watch_stdin(self) -> None:
+        # os.read on the raw descriptor: a daemon thread blocked inside sys.stdin's buffered reader
+        # would abort the interpreter at exit.
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(0, 4096):
                 pass
         except (OSError, ValueError):
             pass

@@ -97,7 +97,11 @@ class FabricError(RuntimeError):
         text = message or f"{call} failed: {self.errno_name} ({self.strerror})"
         if detail:
             text += f": {detail}"
+        self.text = text
         super().__init__(text)
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class FabricTimeout(FabricError, TimeoutError):
@@ -618,7 +622,7 @@ class MemoryRegion(Resource):
         if buffer is not None:
             try:
                 self._view = ffi.from_buffer(buffer, require_writable=True)
-            except TypeError as exc:
+            except (TypeError, BufferError) as exc:
                 raise UsageError(f"cannot register {type(buffer).__name__}: needs a writable buffer "
                                  f"(numpy array, bytearray, memoryview) ({exc})") from None
             self.address = int(ffi.cast("uintptr_t", self._view))

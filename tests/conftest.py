@@ -1,0 +1,26 @@
+"""Shared test fixtures: the providers every end-to-end test runs over (loopback only for tcp)."""
+import os
+
+import pytest
+
+from fabriclab import fi
+
+# tcp is pinned to the loopback interface: tests never send traffic to any other address.
+PROVIDERS = [("shm", None), ("tcp;ofi_rxm", "lo")]
+
+
+def provider_args(provider, domain):
+    return ["--provider", provider] + (["--domain", domain] if domain else [])
+
+
+@pytest.fixture(params=PROVIDERS, ids=[p for p, _ in PROVIDERS])
+def fabric(request):
+    """(provider, domain) pairs; skipped where the provider is not available here."""
+    provider, domain = request.param
+    if provider not in fi.available_providers():
+        pytest.skip(f"provider {provider} is not available here")
+    return request.param
+
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
