@@ -55,6 +55,9 @@ class Mailbox:
         self.free_outbox = list(range(slots))
         self._arrived: collections.deque[tuple[int, int]] = collections.deque()  # (slot, length)
         self._to_repost: list[int] = []
+        # Completions are routed by the first element of their token; later stages add their own kinds
+        # (their writes, and None for a peer's RDMA write that carries immediate data).
+        self.handlers = {"in": self._received, "out": self._sent}
         for slot in range(slots):
             self._post_receive(slot)
 
@@ -62,11 +65,17 @@ class Mailbox:
         self.stack.ep.post_recv(self.inbox_mr, slot * self.slot_size, self.slot_size, ("in", slot))
 
     def _on_completion(self, c: fi.Completion) -> None:
-        direction, slot = c.token
-        if direction == "out":
-            self.free_outbox.append(slot)
-        else:
-            self._arrived.append((slot, c.length))
+        kind = c.token[0] if isinstance(c.token, tuple) else c.token
+        handler = self.handlers.get(kind)
+        if handler is None:
+            raise fi.UsageError(f"completion for an operation nobody handles: {c.token!r}")
+        handler(c)
+
+    def _sent(self, c: fi.Completion) -> None:
+        self.free_outbox.append(c.token[1])
+
+    def _received(self, c: fi.Completion) -> None:
+        self._arrived.append((c.token[1], c.length))
 
     def _pump(self) -> bool:
         got = self.stack.cq.poll()

@@ -20,6 +20,7 @@ import string
 import struct
 import time
 import weakref
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -686,22 +687,32 @@ class MemoryRegion(Resource):
 
 @dataclass(frozen=True)
 class RemoteRegion:
-    """A peer's registered memory as seen from here: where offset 0 is, how long it is, its key."""
+    """A peer's registered memory as seen from here: where offset 0 is, how long it is, its key.
+
+    Packed for the wire with a CRC, so a descriptor that was truncated or altered on the way (a wrong
+    key, a wrong length) is rejected before any write is posted with it."""
     base: int
     length: int
     key: int
 
-    FORMAT = "<QQQ"
-    SIZE = struct.calcsize(FORMAT)
+    FORMAT = struct.Struct("<QQQI")
+    SIZE = FORMAT.size
 
     def pack(self) -> bytes:
-        return struct.pack(self.FORMAT, self.base, self.length, self.key)
+        fields = struct.pack("<QQQ", self.base, self.length, self.key)
+        return fields + struct.pack("<I", zlib.crc32(fields))
 
     @classmethod
     def unpack(cls, data: bytes) -> "RemoteRegion":
-        if len(data) < cls.SIZE:
-            raise UsageError(f"remote region descriptor is truncated: {len(data)} of {cls.SIZE} bytes")
-        return cls(*struct.unpack_from(cls.FORMAT, data))
+        if data is None or len(data) == 0:
+            raise UsageError("missing remote region descriptor (no key): ask the peer for its region first")
+        if len(data) != cls.SIZE:
+            raise UsageError(f"remote region descriptor has {len(data)} bytes, expected {cls.SIZE} (truncated?)")
+        base, length, key, crc = cls.FORMAT.unpack(data)
+        if zlib.crc32(data[:24]) != crc:
+            raise UsageError("remote region descriptor is corrupt (wrong key or length?): its checksum does not "
+                             "match; use the descriptor exactly as the peer sent it")
+        return cls(base, length, key)
 
     def check_range(self, offset: int, length: int) -> None:
         if offset < 0 or length <= 0 or offset + length > self.length:

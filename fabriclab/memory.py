@@ -1,0 +1,181 @@
+"""Buffers the stages move data between: host memory (numpy) and GPU memory (cuda-python), and how each
+is registered with a NIC.
+
+GPU memory is registered directly (FI_HMEM with iface FI_HMEM_CUDA — GPUDirect RDMA on p5) when the
+provider offers FI_HMEM and the registration succeeds. Otherwise the data is staged through pinned host
+memory: the NIC sees the pinned copy, and every page is copied between it and the GPU as it is sent or
+as it lands. ``Registration.path`` says which of ``host``, ``cuda-direct``, ``cuda-staged`` ran.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import fi, gpu
+
+MEMORY_KINDS = ("host", "cuda")
+
+
+def _host_array(pointer: int, length: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(pointer))
+
+
+class HostBuffer:
+    """Page-aligned host memory as a numpy uint8 array."""
+    kind = "host"
+    device = 0
+
+    def __init__(self, length: int):
+        if length <= 0:
+            raise fi.UsageError(f"buffer length must be positive, got {length}")
+        self.length = int(length)
+        raw = np.empty(self.length + 4096, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 4096
+        self.array = raw[start:start + self.length]
+        self.pointer = self.array.ctypes.data
+
+    def write(self, data: np.ndarray, offset: int = 0) -> None:
+        self.array[offset:offset + data.size] = data
+
+    def read(self, offset: int = 0, length: int | None = None) -> np.ndarray:
+        length = self.length - offset if length is None else length
+        return self.array[offset:offset + length]
+
+    def close(self) -> None:
+        self.array = None
+
+
+class _Cuda:
+    """The CUDA driver with the primary context of a device made current on this thread."""
+
+    def __init__(self, device: int):
+        self.driver = gpu.require_cuda()
+        d = self.driver
+        count = gpu._ok(d.cuDeviceGetCount(), "cuDeviceGetCount")
+        if not 0 <= device < count:
+            raise fi.UsageError(f"CUDA device {device} does not exist (this machine has {count})")
+        self.device = gpu._ok(d.cuDeviceGet(device), "cuDeviceGet")
+        self.context = gpu._ok(d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.make_current()
+
+    def make_current(self) -> None:
+        gpu._ok(self.driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+
+    def call(self, name: str, *args):
+        return gpu._ok(getattr(self.driver, name)(*args), name)
+
+
+class PinnedBuffer(HostBuffer):
+    """Page-locked host memory from cuMemHostAlloc: what staged GPU transfers go through."""
+
+    def __init__(self, length: int, device: int = 0):
+        if length <= 0:
+            raise fi.UsageError(f"buffer length must be positive, got {length}")
+        self.cuda = _Cuda(device)
+        self.length = int(length)
+        self.pointer = int(self.cuda.call("cuMemHostAlloc", self.length, 0))
+        self.array = _host_array(self.pointer, self.length)
+
+    def close(self) -> None:
+        if self.array is not None:
+            self.array = None
+            self.cuda.call("cuMemFreeHost", self.pointer)
+
+
+class CudaBuffer:
+    """Device memory from cuMemAlloc (plain allocations, never managed memory)."""
+    kind = "cuda"
+
+    def __init__(self, length: int, device: int = 0):
+        if length <= 0:
+            raise fi.UsageError(f"buffer length must be positive, got {length}")
+        self.cuda = _Cuda(device)
+        self.device = device
+        self.length = int(length)
+        self.pointer = int(self.cuda.call("cuMemAlloc", self.length))
+        self._open = True
+
+    def write(self, data: np.ndarray, offset: int = 0) -> None:
+        data = np.ascontiguousarray(data, dtype=np.uint8)
+        self.cuda.call("cuMemcpyHtoD", self.pointer + offset, data.ctypes.data, data.size)
+
+    def read(self, offset: int = 0, length: int | None = None) -> np.ndarray:
+        length = self.length - offset if length is None else length
+        out = np.empty(length, dtype=np.uint8)
+        self.cuda.call("cuMemcpyDtoH", out.ctypes.data, self.pointer + offset, length)
+        return out
+
+    def copy_to(self, host: HostBuffer, offset: int, length: int) -> None:
+        """Device → host at the same offset (the staged path's outbound copy)."""
+        self.cuda.call("cuMemcpyDtoH", host.pointer + offset, self.pointer + offset, length)
+
+    def copy_from(self, host: HostBuffer, offset: int, length: int) -> None:
+        """Host → device at the same offset (the staged path's inbound copy)."""
+        self.cuda.call("cuMemcpyHtoD", self.pointer + offset, host.pointer + offset, length)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self.cuda.call("cuMemFree", self.pointer)
+
+
+def allocate(kind: str, length: int, device: int = 0):
+    if kind == "host":
+        return HostBuffer(length)
+    if kind == "cuda":
+        return CudaBuffer(length, device)
+    raise fi.UsageError(f"unknown memory kind {kind!r}; choose one of {', '.join(MEMORY_KINDS)}")
+
+
+@dataclass
+class Registration:
+    """A buffer registered with one endpoint's domain, and how: ``path`` is host, cuda-direct or
+    cuda-staged; under cuda-staged, ``staging`` is the registered pinned copy and ``why`` says why
+    direct registration was not used."""
+    buffer: object
+    mr: fi.MemoryRegion
+    path: str
+    staging: HostBuffer | None = None
+    why: str = ""
+
+    def before_send(self, offset: int, length: int) -> None:
+        """Make [offset, offset+length) visible to the NIC before it is written out."""
+        if self.staging is not None:
+            self.buffer.copy_to(self.staging, offset, length)
+
+    def after_receive(self, offset: int, length: int) -> None:
+        """Move bytes that landed in the staging copy to where the user wants them."""
+        if self.staging is not None:
+            self.buffer.copy_from(self.staging, offset, length)
+
+    def close(self) -> None:
+        self.mr.close()
+        if self.staging is not None:
+            self.staging.close()
+
+
+def register(stack: fi.EndpointStack, buffer) -> Registration:
+    """Register a HostBuffer or CudaBuffer with the endpoint's domain (see module docstring)."""
+    if buffer.kind == "host":
+        return Registration(buffer, stack.register(buffer.array), "host")
+    why = f"provider {stack.info.provider} does not offer FI_HMEM"
+    if stack.info.hmem:
+        try:
+            mr = stack.register(pointer=buffer.pointer, length=buffer.length, iface=fi.lib.FI_HMEM_CUDA,
+                                device=buffer.device, keepalive=buffer)
+            return Registration(buffer, mr, "cuda-direct")
+        except fi.FabricError as exc:
+            why = f"FI_HMEM registration failed: {exc}"
+    staging = PinnedBuffer(buffer.length, buffer.device)
+    return Registration(buffer, stack.register(staging.array), "cuda-staged", staging, why)
+
+
+def open_endpoint(provider: str | None, domain: str | None, memory: str) -> fi.EndpointStack:
+    """An endpoint able to register ``memory``: with FI_HMEM when asking for GPU memory and offered."""
+    if memory not in MEMORY_KINDS:
+        raise fi.UsageError(f"unknown memory kind {memory!r}; choose one of {', '.join(MEMORY_KINDS)}")
+    if memory == "cuda":
+        gpu.require_cuda()
+    return fi.EndpointStack(fi.getinfo(provider, domain, hmem=None if memory == "cuda" else False)[0])

@@ -1,0 +1,363 @@
+"""Chapter 6 — one-sided RDMA WRITE, with immediate data.
+
+Send/recv needs the receiver to post a buffer for every message. With RDMA WRITE the target registers a
+region once and hands the writer three numbers (where offset 0 is, how long, the key); from then on the
+writer places bytes straight into the target's memory and the target's CPU does nothing per byte. To let
+the target know a write has landed, each write carries immediate data (here: the page index), which
+arrives as a completion on the target's queue (FI_REMOTE_CQ_DATA).
+
+The control messages (which region, which pages, "done", the target's report) still travel over
+chapter 5's mailbox. Here the writer keeps exactly one write in flight; chapter 7 queues many.
+
+    python -m fabriclab.rdma_write serve                     # the target
+    python -m fabriclab.rdma_write connect ADDR --page-size 64K --total 16M
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from . import bidirectional, cli, fi, memory
+from .bidirectional import Client, Mailbox
+
+PREPARE, REGION, DONE, REPORT = range(6, 10)
+DEFAULT_BUFFER_LIMIT = 256 << 20
+
+
+def source_data(seed: int, length: int) -> np.ndarray:
+    """The bytes page i of a transfer must hold: random, reproducible from the seed on both sides."""
+    return np.frombuffer(np.random.default_rng(seed).bytes(length), dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    """Which bytes move: ``writes`` writes of ``page_size`` cycling over a ``buffer_bytes`` region
+    (the last page is shorter when the region is not a whole number of pages)."""
+    page_size: int
+    buffer_bytes: int
+    writes: int
+
+    @classmethod
+    def for_total(cls, page_size: int, total_bytes: int, buffer_bytes: int | None = None) -> "PagePlan":
+        page_size = int(page_size)
+        total_bytes = int(total_bytes)
+        if page_size <= 0:
+            raise fi.UsageError(f"page size must be positive, got {page_size}")
+        if total_bytes <= 0:
+            raise fi.UsageError(f"total bytes must be positive, got {total_bytes}")
+        if buffer_bytes is None:
+            buffer_bytes = total_bytes if total_bytes <= DEFAULT_BUFFER_LIMIT else \
+                max(page_size, DEFAULT_BUFFER_LIMIT // page_size * page_size)
+        buffer_bytes = int(buffer_bytes)
+        if page_size > buffer_bytes:
+            raise fi.UsageError(f"page size {page_size} is larger than the {buffer_bytes}-byte buffer")
+        plan = cls(page_size, buffer_bytes, 0)
+        whole, rest = divmod(total_bytes, buffer_bytes)
+        writes = whole * plan.pages + (math.ceil(rest / page_size) if rest else 0)
+        return cls(page_size, buffer_bytes, writes)
+
+    @property
+    def pages(self) -> int:
+        return math.ceil(self.buffer_bytes / self.page_size)
+
+    def page_of(self, write: int) -> int:
+        return write % self.pages
+
+    def page_length(self, page: int) -> int:
+        return min(self.page_size, self.buffer_bytes - page * self.page_size)
+
+    @property
+    def total_bytes(self) -> int:
+        full, rest = divmod(self.writes, self.pages)
+        return full * self.buffer_bytes + sum(self.page_length(p) for p in range(rest))
+
+
+@dataclass
+class Report:
+    """What the target saw: remote-write completions, how often each page landed, byte-exact check."""
+    arrivals: int
+    distinct_pages: int
+    min_per_page: int
+    max_per_page: int
+    verified: bool | None
+    mismatched_pages: list = field(default_factory=list)
+    path: str = "host"
+    why: str = ""
+
+
+class TargetMailbox(Mailbox):
+    """The target's mailbox, which also counts the peer's writes by their immediate data."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.counts: np.ndarray | None = None
+        self.registration: memory.Registration | None = None
+        self.page_size = 0
+        self.arrivals = 0
+        self.handlers[None] = self._landed
+
+    def _landed(self, c: fi.Completion) -> None:
+        if not c.has_data or self.counts is None:
+            raise fi.UsageError(f"unexpected remote completion (flags {c.flags:#x}) before any region was prepared")
+        page = c.data
+        self.counts[page] += 1
+        self.arrivals += 1
+        self.registration.after_receive(page * self.page_size, c.length)
+
+
+class Target:
+    """Serves writers: registers a region per PREPARE, counts what lands, verifies on DONE."""
+
+    def __init__(self, stack: fi.EndpointStack, slots: int = 8, timeout: float = fi.DEFAULT_TIMEOUT):
+        self.stack = stack
+        self.timeout = timeout
+        self.mailbox = TargetMailbox(stack, slots, 4096, timeout)
+        self.clients: dict[int, int] = {}
+        self._next_client = itertools.count(1)
+        self.buffer = None
+        self.seed = 0
+
+    def prepare(self, request: dict) -> bytes:
+        self.release()
+        plan = PagePlan(request["page_size"], request["buffer_bytes"], 0)
+        self.seed = request["seed"]
+        self.buffer = memory.allocate(request["memory"], plan.buffer_bytes)
+        self.buffer.write(np.zeros(plan.buffer_bytes, np.uint8))
+        box = self.mailbox
+        box.registration = memory.register(self.stack, self.buffer)
+        box.counts = np.zeros(plan.pages, dtype=np.int64)
+        box.arrivals = 0
+        box.page_size = plan.page_size
+        print(f"prepared {plan.buffer_bytes} bytes of {request['memory']} memory ({box.registration.path}) "
+              f"as {plan.pages} pages of {plan.page_size}", flush=True)
+        meta = {"path": box.registration.path, "why": box.registration.why}
+        return box.registration.mr.remote().pack() + json.dumps(meta).encode()
+
+    def finish(self, expected_writes: int, verify: bool) -> Report:
+        box = self.mailbox
+        try:
+            self.stack.cq.wait(lambda: box.arrivals >= expected_writes, self.timeout,
+                               f"{expected_writes} writes landing", box._on_completion)
+        except fi.FabricTimeout:
+            pass  # reported below as missing arrivals
+        counts = box.counts
+        verified, mismatched = None, []
+        if verify:
+            got = self.buffer.read()
+            want = source_data(self.seed, self.buffer.length)
+            if not np.array_equal(got, want):
+                ps = box.page_size
+                mismatched = [p for p in range(counts.size) if not np.array_equal(got[p * ps:(p + 1) * ps],
+                                                                                  want[p * ps:(p + 1) * ps])][:20]
+            verified = box.arrivals == expected_writes and not mismatched
+        return Report(box.arrivals, int(np.count_nonzero(counts)), int(counts.min()), int(counts.max()), verified,
+                      mismatched, box.registration.path, box.registration.why)
+
+    def release(self) -> None:
+        if self.mailbox.registration is not None:
+            self.mailbox.registration.close()
+            self.mailbox.registration = None
+        if self.buffer is not None:
+            self.buffer.close()
+            self.buffer = None
+
+    def handle(self, m: bidirectional.Message) -> None:
+        box = self.mailbox
+        if m.kind == bidirectional.HELLO:
+            peer = fi.Address.from_bytes(bytes(m.payload))
+            client = next(self._next_client)
+            self.clients[client] = self.stack.av.insert(peer)
+            box.send(self.clients[client], bidirectional.WELCOME, client, m.seq)
+            print(f"writer {client} joined from {peer.describe()}", flush=True)
+        elif m.kind == PREPARE:
+            reply = self.prepare(json.loads(bytes(m.payload)))
+            box.send(self.clients[m.client], REGION, m.client, m.seq, reply)
+        elif m.kind == DONE:
+            request = json.loads(bytes(m.payload))
+            report = self.finish(request["writes"], request["verify"])
+            print(f"report: {report.arrivals} writes landed on {report.distinct_pages} pages, "
+                  f"verified {report.verified}", flush=True)
+            box.send(self.clients[m.client], REPORT, m.client, m.seq, json.dumps(asdict(report)).encode())
+        elif m.kind == bidirectional.BYE:
+            self.stack.av.remove(self.clients.pop(m.client))
+            print(f"writer {m.client} left", flush=True)
+
+
+@dataclass
+class WriteStats:
+    """The writer's side of one transfer."""
+    writes: int
+    bytes: int
+    elapsed_s: float
+    cpu_s: float
+    eagain: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes * 8 / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+
+    @property
+    def mops(self) -> float:
+        return self.writes / self.elapsed_s / 1e6 if self.elapsed_s > 0 else 0.0
+
+    @property
+    def cpu_ns_per_op(self) -> float:
+        return self.cpu_s / self.writes * 1e9 if self.writes else 0.0
+
+
+class Writer(Client):
+    """Chapter 5's client, now writing straight into the target's memory.
+
+    ``prepare`` asks the target for a region and registers the local source; ``write_pages`` moves the
+    plan's pages, one write in flight at a time; ``finish`` asks the target what landed."""
+
+    def __init__(self, stack: fi.EndpointStack, server_address, timeout: float = fi.DEFAULT_TIMEOUT):
+        super().__init__(stack, server_address, timeout)
+        self.handlers = self.mailbox.handlers
+        self.handlers["write"] = self._write_completed
+        self.completed = 0
+        self.remote: fi.RemoteRegion | None = None
+        self.plan: PagePlan | None = None
+        self.source = None
+        self.registration: memory.Registration | None = None
+        self.eagain = 0
+        self.writes_issued = 0  # since prepare(): what the target should count on finish()
+        self.on_progress = None  # called with the number of completed writes, now and then
+
+    def _write_completed(self, c: fi.Completion) -> None:
+        self.completed += 1
+
+    def _call(self, kind: int, request: dict, reply_kind: int) -> bytes:
+        seq = next(self._seq)
+        self.mailbox.send(self.server_addr, kind, self.client_id, seq, json.dumps(request).encode())
+        return bytes(self._next(lambda m: m.kind == reply_kind and m.seq == seq).payload)
+
+    def prepare(self, plan: PagePlan, memory_kind: str = "host", seed: int = 1) -> dict:
+        """Ask the target for a region of the plan's size; fill and register the local source."""
+        self.release()
+        reply = self._call(PREPARE, {"page_size": plan.page_size, "buffer_bytes": plan.buffer_bytes,
+                                     "memory": memory_kind, "seed": seed}, REGION)
+        self.remote = fi.RemoteRegion.unpack(reply[:fi.RemoteRegion.SIZE])
+        if self.remote.length < plan.buffer_bytes:
+            raise fi.UsageError(f"the target's region has {self.remote.length} bytes, the plan needs "
+                                f"{plan.buffer_bytes}")
+        self.plan = plan
+        self.writes_issued = 0
+        self.source = memory.allocate(memory_kind, plan.buffer_bytes)
+        self.source.write(source_data(seed, plan.buffer_bytes))
+        self.registration = memory.register(self.stack, self.source)
+        return {"local": self.registration.path, "local_why": self.registration.why,
+                **{f"remote_{k}": v for k, v in json.loads(reply[fi.RemoteRegion.SIZE:]).items()}}
+
+    def try_post_page(self, write: int) -> bool:
+        """Post write number ``write`` (page ``write % pages``, immediate data = page index)."""
+        plan = self.plan
+        page = plan.page_of(write)
+        offset = page * plan.page_size
+        length = plan.page_length(page)
+        self.registration.before_send(offset, length)
+        return self.stack.ep.try_post_write(self.registration.mr, offset, length, self.server_addr, self.remote,
+                                            offset, ("write", write), data=page)
+
+    def write_pages(self, first: int, count: int) -> None:
+        """Chapter 6: post one write, wait for its completion, post the next."""
+        self.writes_issued += count
+        cq = self.stack.cq
+        for write in range(first, first + count):
+            target = self.completed + 1
+            while not self.try_post_page(write):
+                self.eagain += 1
+                cq.progress()
+            cq.wait(lambda: self.completed >= target, self.timeout, f"write {write}'s completion",
+                    self.mailbox._on_completion, hint="is the target still running?")
+            if self.on_progress is not None and write % 64 == 0:
+                self.on_progress(self.completed)
+
+    def _check_ready(self) -> None:
+        if self.plan is None:
+            raise fi.UsageError("call prepare() before writing: the target's region is not known yet")
+
+    def transfer(self, warmup: int = 0) -> WriteStats:
+        """Warm up with ``warmup`` writes (untimed), then write the whole plan and time it."""
+        self._check_ready()
+        if warmup:
+            self.write_pages(0, min(warmup, self.plan.writes))
+        self.completed = 0
+        self.eagain = 0
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        self.write_pages(0, self.plan.writes)
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        return WriteStats(self.plan.writes, self.plan.total_bytes, elapsed, cpu, self.eagain)
+
+    def finish(self, verify: bool = True) -> Report:
+        """Tell the target how many writes to expect; it waits for them, checks the bytes and reports."""
+        reply = self._call(DONE, {"writes": self.writes_issued, "verify": verify}, REPORT)
+        return Report(**json.loads(reply))
+
+    def release(self) -> None:
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+
+def serve(args, stop: cli.StopSignal) -> int:
+    with memory.open_endpoint(args.provider, args.domain, args.memory) as stack:
+        target = Target(stack, timeout=args.timeout)
+        print(stack.ep.address(4096 + bidirectional.HEADER.size).hex(), flush=True)
+        print(f"target on {stack.info.provider} domain {stack.info.domain}: {stack.ep.address().describe()}",
+              flush=True)
+        try:
+            while not stop.is_set():
+                for m in target.mailbox.receive(stop, timeout=math.inf):
+                    target.handle(m)
+        finally:
+            target.release()
+    return 0
+
+
+def connect(args) -> int:
+    plan = PagePlan.for_total(args.page_size, args.total)
+    with memory.open_endpoint(args.provider, args.domain, args.memory) as stack:
+        writer = Writer(stack, args.address, args.timeout)
+        paths = writer.prepare(plan, args.memory)
+        stats = writer.transfer()
+        report = writer.finish()
+        writer.release()
+        writer.close()
+    print(f"{stats.writes} writes, {stats.bytes} bytes in {stats.elapsed_s:.3f} s = {stats.gbps:.2f} Gbps; "
+          f"memory {paths['local']} -> {paths['remote_path']}; landed {report.arrivals}, verified {report.verified}")
+    return 0 if report.verified else 1
+
+
+def add_transfer_options(parser, total_default="16M") -> None:
+    parser.add_argument("--page-size", type=cli.positive_size, default=64 << 10, help="bytes per write (default 64K)")
+    parser.add_argument("--total", type=cli.positive_size, default=cli.parse_size(total_default),
+                        help=f"bytes to move (default {total_default})")
+    parser.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host", help="host or cuda (GPU) memory")
+
+
+def build_parser():
+    parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[1])
+    serve_p.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host",
+                         help="ask for FI_HMEM when cuda memory will be written here")
+    add_transfer_options(connect_p)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args, cli.StopSignal(args.until_stdin_closes))
+    return connect(args)
+
+
+if __name__ == "__main__":
+    cli.run(main)
