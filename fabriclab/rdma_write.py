@@ -97,7 +97,7 @@ class TargetMailbox(Mailbox):
         super().__init__(*args, **kw)
         self.counts: np.ndarray | None = None
         self.registration: memory.Registration | None = None
-        self.page_size = 0
+        self.plan: PagePlan | None = None
         self.arrivals = 0
         self.handlers[None] = self._landed
 
@@ -107,7 +107,8 @@ class TargetMailbox(Mailbox):
         page = c.data
         self.counts[page] += 1
         self.arrivals += 1
-        self.registration.after_receive(page * self.page_size, c.length)
+        # The page's own length: providers need not fill in the length of a remote write's completion.
+        self.registration.after_receive(page * self.plan.page_size, self.plan.page_length(page))
 
 
 class Target:
@@ -132,7 +133,7 @@ class Target:
         box.registration = memory.register(self.stack, self.buffer)
         box.counts = np.zeros(plan.pages, dtype=np.int64)
         box.arrivals = 0
-        box.page_size = plan.page_size
+        box.plan = plan
         print(f"prepared {plan.buffer_bytes} bytes of {request['memory']} memory ({box.registration.path}) "
               f"as {plan.pages} pages of {plan.page_size}", flush=True)
         meta = {"path": box.registration.path, "why": box.registration.why}
@@ -151,7 +152,7 @@ class Target:
             got = self.buffer.read()
             want = source_data(self.seed, self.buffer.length)
             if not np.array_equal(got, want):
-                ps = box.page_size
+                ps = box.plan.page_size
                 mismatched = [p for p in range(counts.size) if not np.array_equal(got[p * ps:(p + 1) * ps],
                                                                                   want[p * ps:(p + 1) * ps])][:20]
             verified = box.arrivals == expected_writes and not mismatched
@@ -227,6 +228,7 @@ class Writer(Client):
         self.registration: memory.Registration | None = None
         self.eagain = 0
         self.writes_issued = 0  # since prepare(): what the target should count on finish()
+        self._staged = -1  # the write whose page was last copied out of GPU memory
         self.on_progress = None  # called with the number of completed writes, now and then
 
     def _write_completed(self, c: fi.Completion) -> None:
@@ -248,6 +250,7 @@ class Writer(Client):
                                 f"{plan.buffer_bytes}")
         self.plan = plan
         self.writes_issued = 0
+        self._staged = -1
         self.source = memory.allocate(memory_kind, plan.buffer_bytes)
         self.source.write(source_data(seed, plan.buffer_bytes))
         self.registration = memory.register(self.stack, self.source)
@@ -260,7 +263,9 @@ class Writer(Client):
         page = plan.page_of(write)
         offset = page * plan.page_size
         length = plan.page_length(page)
-        self.registration.before_send(offset, length)
+        if write != self._staged:  # a write retried after -FI_EAGAIN is already staged
+            self.registration.before_send(offset, length)
+            self._staged = write
         return self.stack.ep.try_post_write(self.registration.mr, offset, length, self.server_addr, self.remote,
                                             offset, ("write", write), data=page)
 
