@@ -82,10 +82,46 @@ def _tour_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="build/lessons", help="where executed notebooks go (default %(default)s)")
 
 
+def cmd_testbed(args) -> int:
+    from . import testbed
+    return testbed.cli_main(args)
+
+
+def _testbed_args(p: argparse.ArgumentParser) -> None:
+    from . import testbed
+    testbed.add_arguments(p)
+
+
+def cmd_topo(args) -> int:
+    from . import topology
+    return topology.main(args)
+
+
+def _topo_args(p: argparse.ArgumentParser) -> None:
+    from . import topology
+    topology.add_arguments(p)
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+    return bench.main(args)
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from . import bench
+    bench.add_arguments(p)
+
+
 COMMANDS = {
     "info": ("providers, domains/NICs, FI_HMEM support and CUDA devices on this machine", cmd_info,
              lambda p: p.add_argument("--json", action="store_true", help="one JSON object")),
+    "bench": ("the one benchmark harness: Gbps, Mops/s, ns of CPU per write, memcpy ceiling", cmd_bench,
+              _bench_args),
     "tour": ("run every lesson headless and print the measured figures beside the article's", cmd_tour, _tour_args),
+    "testbed": ("two network namespaces joined by N shaped veth links, a small p5: up, down, status, link-down, "
+                "link-up", cmd_testbed, _testbed_args),
+    "topo": ("GPU <-> NIC <-> NUMA <-> CPU layout and the proposed NIC groups and cores (or a recorded one: "
+             "--recorded p5.48xlarge)", cmd_topo, _topo_args),
 }
 
 
