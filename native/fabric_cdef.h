@@ -220,3 +220,30 @@ ssize_t fi_writedata(struct fid_ep *ep, const void *buf, size_t len, void *desc,
                      fi_addr_t dest_addr, uint64_t addr, uint64_t key, void *context);
 
 char *strdup(const char *s);
+
+/* ------------------------------------------------------------ fabriclab's native engine (engine.h) */
+#define FL_MAX_THREADS ...
+#define FL_MAX_NICS ...
+typedef struct fl_nic {
+    struct fid_ep *ep; struct fid_cq *cq; void *desc; fi_addr_t dest; uint64_t remote_base; uint64_t rkey;
+    int group; uint32_t max_in_flight; uint32_t ring_capacity; uint32_t in_flight;
+    uint64_t bytes, writes, completions, eagain, cq_polls, errors, arrivals, more_flushes;
+    ...;
+} fl_nic;
+typedef struct fl_config {
+    int threads; int groups; int warmup; int pin; int shard; int pad; int batch; int lazy; int fi_more;
+    int cores[...];
+    uint64_t total_writes; uint64_t page_size; uint64_t buffer_bytes; uint64_t local_base; double timeout_s;
+    ...;
+} fl_config;
+typedef struct fl_engine {
+    int nnics; fl_nic *nics; volatile int stop; int error_code; char error[...];
+    double elapsed_s; uint64_t timed_writes, timed_bytes;
+    uint32_t *page_counts; uint64_t pages; volatile uint64_t expected_arrivals; volatile uint64_t arrivals;
+    ...;
+} fl_engine;
+fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
+void fl_engine_free(fl_engine *e);
+int fl_write_run(fl_engine *e, const fl_config *cfg);
+int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s);
+uint64_t fl_now_ns(void);

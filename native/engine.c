@@ -1,0 +1,580 @@
+/* fabriclab's native multi-NIC write engine: see engine.h. No allocation, lock or system call per write:
+ * contexts come from a per-NIC free list, pending writes from a per-NIC ring, and counters are plain
+ * stores or (chapters 11-12 on purpose) relaxed atomics. */
+#define _GNU_SOURCE
+#include "engine.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#define CQ_BATCH 16
+#define MORE_RUN_MAX 16 /* FI_MORE runs stay far below any provider's tx queue, so a flush always fits */
+
+typedef struct op_slot {
+    struct fi_context2 ctx; /* first: the completion's op_context points here */
+    uint32_t page;
+    uint32_t next_free;
+} op_slot;
+
+struct group;
+
+typedef struct nic_state {
+    op_slot *slots;
+    uint32_t free_head;
+    int last_had_more;
+    struct group *group; /* the group that drives this NIC during a write run */
+} nic_state;
+
+/* Per-thread counters for chapters 13 (sharded: packed, eight to a cache line) and beyond (padded). */
+typedef struct { volatile uint64_t posted, finished; } packed_shard;
+typedef struct { volatile uint64_t posted, finished; char pad[48]; } __attribute__((aligned(64))) padded_shard;
+
+typedef struct engine_state {
+    nic_state *nics;
+    /* chapters 11-12: every thread updates these */
+    _Atomic uint64_t shared_posted, shared_finished;
+    packed_shard packed[FL_MAX_THREADS];
+    padded_shard padded[FL_MAX_THREADS];
+    _Atomic int finished_threads;
+    pthread_barrier_t start_line;
+    uint64_t start_ns[FL_MAX_THREADS], end_ns[FL_MAX_THREADS];
+    uint64_t timed_bytes[FL_MAX_THREADS];
+} engine_state;
+
+typedef struct group {
+    int id, nnics;
+    int nics[FL_MAX_NICS];
+    uint32_t rr;
+    uint64_t quota, issued, completed; /* timed writes: to do, enqueued, completed */
+} group;
+
+typedef struct thread_ctx {
+    fl_engine *e;
+    const fl_config *cfg;
+    engine_state *st;
+    int id, ngroups;
+    group *groups;
+    volatile uint64_t *my_posted, *my_finished;
+    uint64_t last_progress_ns, timeout_ns;
+    int timed;
+    uint64_t remaining; /* timed writes of this thread's groups not yet completed */
+    uint64_t timed_bytes;
+    uint32_t pages;
+} thread_ctx;
+
+uint64_t fl_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void fail(fl_engine *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void fail(fl_engine *e, int code, const char *fmt, ...) {
+    int expected = 0;
+    if (atomic_compare_exchange_strong((_Atomic int *)&e->error_code, &expected, code ? code : -FI_EOTHER)) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(e->error, FL_ERROR_LEN, fmt, ap);
+        va_end(ap);
+    }
+    e->stop = 1;
+}
+
+fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity) {
+    if (nnics <= 0 || nnics > FL_MAX_NICS || ring_capacity == 0) return NULL;
+    fl_engine *e = calloc(1, sizeof(*e));
+    engine_state *st = NULL;
+    if (!e || posix_memalign((void **)&e->nics, 64, sizeof(fl_nic) * nnics) ||
+        posix_memalign((void **)&st, 64, sizeof(*st))) {
+        fl_engine_free(e);
+        return NULL;
+    }
+    memset(e->nics, 0, sizeof(fl_nic) * nnics);
+    memset(st, 0, sizeof(*st));
+    e->state = st;
+    e->nnics = nnics;
+    st->nics = calloc(nnics, sizeof(nic_state));
+    for (int i = 0; st->nics && i < nnics; i++) {
+        e->nics[i].ring = calloc(ring_capacity, sizeof(uint32_t));
+        e->nics[i].ring_capacity = ring_capacity;
+        if (!e->nics[i].ring) break;
+        if (i == nnics - 1) return e;
+    }
+    fl_engine_free(e);
+    return NULL;
+}
+
+void fl_engine_free(fl_engine *e) {
+    if (!e) return;
+    engine_state *st = e->state;
+    for (int i = 0; e->nics && i < e->nnics; i++) {
+        free(e->nics[i].ring);
+        if (st && st->nics) free(st->nics[i].slots);
+    }
+    if (st) free(st->nics);
+    free(st);
+    free(e->nics);
+    free(e);
+}
+
+static int prepare_slots(fl_engine *e) {
+    engine_state *st = e->state;
+    for (int i = 0; i < e->nnics; i++) {
+        fl_nic *n = &e->nics[i];
+        nic_state *ns = &st->nics[i];
+        if (n->max_in_flight == 0) n->max_in_flight = 1;
+        free(ns->slots);
+        ns->slots = calloc(n->max_in_flight, sizeof(op_slot));
+        if (!ns->slots) return -FI_ENOMEM;
+        for (uint32_t s = 0; s < n->max_in_flight; s++) ns->slots[s].next_free = s + 1;
+        ns->free_head = 0;
+        ns->last_had_more = 0;
+        n->ring_head = n->ring_tail = 0;
+        n->in_flight = 0;
+        n->bytes = n->writes = n->completions = n->eagain = n->cq_polls = n->errors = n->arrivals = 0;
+        n->more_flushes = 0;
+    }
+    return 0;
+}
+
+static inline uint64_t page_length(const fl_config *cfg, uint32_t page) {
+    uint64_t off = (uint64_t)page * cfg->page_size;
+    uint64_t rest = cfg->buffer_bytes - off;
+    return rest < cfg->page_size ? rest : cfg->page_size;
+}
+
+static inline void count_post(thread_ctx *t) {
+    if (t->cfg->shard) (*t->my_posted)++;
+    else atomic_fetch_add_explicit(&t->st->shared_posted, 1, memory_order_relaxed);
+}
+
+static inline void count_finished(thread_ctx *t) {
+    if (t->cfg->shard) (*t->my_finished)++;
+    else atomic_fetch_add_explicit(&t->st->shared_finished, 1, memory_order_relaxed);
+}
+
+static void cq_error(thread_ctx *t, int nic_index) {
+    fl_nic *n = &t->e->nics[nic_index];
+    struct fi_cq_err_entry err = {0};
+    char buf[256] = "";
+    n->errors++;
+    if (fi_cq_readerr(n->cq, &err, 0) < 0) {
+        fail(t->e, -FI_EIO, "NIC %d: completion error that could not be read", nic_index);
+        return;
+    }
+    const char *detail = fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf);
+    fail(t->e, -err.err, "NIC %d: write failed: %s (%s)", nic_index, fi_strerror(err.err), detail ? detail : "");
+}
+
+/* Reap every completion waiting on a NIC's queue; returns how many, or -1 on error. Never posts. */
+static int poll_nic(thread_ctx *t, int nic_index) {
+    fl_nic *n = &t->e->nics[nic_index];
+    nic_state *ns = &t->st->nics[nic_index];
+    struct fi_cq_data_entry entries[CQ_BATCH];
+    int handled = 0;
+    for (;;) {
+        ssize_t got = fi_cq_read(n->cq, entries, CQ_BATCH);
+        n->cq_polls++;
+        if (got == -FI_EAGAIN) break;
+        if (got == -FI_EAVAIL) { cq_error(t, nic_index); return -1; }
+        if (got < 0) { fail(t->e, (int)got, "NIC %d: fi_cq_read: %s", nic_index, fi_strerror((int)-got)); return -1; }
+        for (ssize_t i = 0; i < got; i++) {
+            op_slot *slot = entries[i].op_context;
+            if (!slot) continue; /* not one of our writes */
+            uint64_t len = page_length(t->cfg, slot->page);
+            n->bytes += len;
+            n->completions++;
+            n->in_flight--;
+            if (t->timed) {
+                t->timed_bytes += len;
+                ns->group->completed++;
+                t->remaining--;
+            }
+            slot->next_free = ns->free_head;
+            ns->free_head = (uint32_t)(slot - ns->slots);
+            count_finished(t);
+        }
+        handled += (int)got;
+        if (got < CQ_BATCH) break;
+    }
+    return handled;
+}
+
+/* 0 posted, 1 the provider said -FI_EAGAIN, -1 error. */
+static int post_write(thread_ctx *t, int nic_index, uint32_t page, uint64_t extra_flags) {
+    fl_nic *n = &t->e->nics[nic_index];
+    nic_state *ns = &t->st->nics[nic_index];
+    const fl_config *cfg = t->cfg;
+    uint32_t s = ns->free_head;
+    op_slot *slot = &ns->slots[s];
+    uint64_t off = (uint64_t)page * cfg->page_size;
+    uint64_t len = page_length(cfg, page);
+    struct iovec iov = {.iov_base = (void *)(uintptr_t)(cfg->local_base + off), .iov_len = len};
+    void *desc = n->desc;
+    struct fi_rma_iov rma = {.addr = n->remote_base + off, .len = len, .key = n->rkey};
+    struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = n->dest,
+                             .rma_iov = &rma, .rma_iov_count = 1, .context = &slot->ctx, .data = page};
+    slot->page = page;
+    ssize_t rc = fi_writemsg(n->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA | extra_flags);
+    if (rc == 0) {
+        ns->free_head = slot->next_free;
+        n->in_flight++;
+        n->writes++;
+        ns->last_had_more = (extra_flags & FI_MORE) != 0;
+        count_post(t);
+        return 0;
+    }
+    if (rc == -FI_EAGAIN) {
+        n->eagain++;
+        return 1;
+    }
+    fail(t->e, (int)rc, "NIC %d: fi_writemsg: %s", nic_index, fi_strerror((int)-rc));
+    return -1;
+}
+
+static int check_timeout(thread_ctx *t, int nic_index) {
+    if (fl_now_ns() - t->last_progress_ns > t->timeout_ns) {
+        fail(t->e, -FI_ETIMEDOUT, "NIC %d: no completion within %.1f s with %u writes in flight (is the peer gone?)",
+             nic_index, t->cfg->timeout_s, t->e->nics[nic_index].in_flight);
+        return -1;
+    }
+    return 0;
+}
+
+/* The FI_MORE flush rule: a run of writes posted with FI_MORE always ends in one without it. When the
+ * provider refuses the next write (-FI_EAGAIN) right after an FI_MORE write, that write is posted again
+ * without FI_MORE, reaping completions in between, until the provider takes it. */
+static int flush_more(thread_ctx *t, int nic_index) {
+    fl_nic *n = &t->e->nics[nic_index];
+    for (;;) {
+        uint32_t page = n->ring[n->ring_head % n->ring_capacity];
+        int rc = n->in_flight < n->max_in_flight ? post_write(t, nic_index, page, 0) : 1;
+        if (rc == 0) {
+            n->ring_head++;
+            n->more_flushes++;
+            return 0;
+        }
+        if (rc < 0 || t->e->stop) return -1;
+        int got = poll_nic(t, nic_index);
+        if (got < 0) return -1;
+        if (got > 0) t->last_progress_ns = fl_now_ns();
+        else if (check_timeout(t, nic_index)) return -1;
+    }
+}
+
+/* Post from the head of a NIC's pending ring while the provider accepts and there is room in flight. */
+static int progress_pending(thread_ctx *t, int nic_index) {
+    fl_nic *n = &t->e->nics[nic_index];
+    nic_state *ns = &t->st->nics[nic_index];
+    uint32_t run = 0;
+    while (n->ring_tail != n->ring_head && n->in_flight < n->max_in_flight) {
+        uint32_t pending = n->ring_tail - n->ring_head;
+        uint32_t room = n->max_in_flight - n->in_flight;
+        uint32_t available = pending < room ? pending : room;
+        int more = t->cfg->fi_more && available > 1 && run + 1 < MORE_RUN_MAX;
+        uint32_t page = n->ring[n->ring_head % n->ring_capacity];
+        int rc = post_write(t, nic_index, page, more ? FI_MORE : 0);
+        if (rc == 0) {
+            n->ring_head++;
+            run = more ? run + 1 : 0;
+            continue;
+        }
+        if (rc < 0) return -1;
+        /* -FI_EAGAIN: the write stays at the head of the ring for the next round */
+        if (ns->last_had_more) return flush_more(t, nic_index);
+        break;
+    }
+    return 0;
+}
+
+static inline int enqueue(fl_nic *n, uint32_t page) {
+    if (n->ring_tail - n->ring_head >= n->ring_capacity) return 0;
+    n->ring[n->ring_tail % n->ring_capacity] = page;
+    n->ring_tail++;
+    return 1;
+}
+
+/* Chapters 11-12 ask the shared counter; from chapter 13 each thread only looks at its own work. */
+static inline int done(thread_ctx *t) {
+    if (t->cfg->shard) return t->remaining == 0;
+    return atomic_load_explicit(&t->st->shared_finished, memory_order_relaxed) >= t->cfg->total_writes;
+}
+
+static int warm_up(thread_ctx *t) {
+    for (int i = 0; i < t->ngroups; i++) {
+        group *g = &t->groups[i];
+        for (int k = 0; k < g->nnics; k++) {
+            int nic = g->nics[k];
+            uint32_t page = (uint32_t)g->id % t->pages;
+            int rc;
+            while ((rc = post_write(t, nic, page, 0)) == 1) {
+                if (poll_nic(t, nic) < 0 || t->e->stop) return -1;
+            }
+            if (rc < 0) return -1;
+        }
+    }
+    t->last_progress_ns = fl_now_ns();
+    for (int i = 0; i < t->ngroups; i++) {
+        group *g = &t->groups[i];
+        for (int k = 0; k < g->nnics; k++) {
+            int nic = g->nics[k];
+            while (t->e->nics[nic].in_flight > 0) {
+                int got = poll_nic(t, nic);
+                if (got < 0 || t->e->stop) return -1;
+                if (got > 0) t->last_progress_ns = fl_now_ns();
+                else if (check_timeout(t, nic)) return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+static void *writer_thread(void *arg) {
+    thread_ctx *t = arg;
+    fl_engine *e = t->e;
+    const fl_config *cfg = t->cfg;
+    engine_state *st = t->st;
+    if (cfg->pin) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cfg->cores[t->id], &set);
+        int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+        if (rc) fail(e, -rc, "thread %d: cannot pin to core %d: %s", t->id, cfg->cores[t->id], strerror(rc));
+    }
+    if (!e->stop && cfg->warmup && warm_up(t) < 0) e->stop = 1;
+    pthread_barrier_wait(&st->start_line);
+    t->timed = 1;
+    st->start_ns[t->id] = fl_now_ns();
+    t->last_progress_ns = st->start_ns[t->id];
+    uint64_t passes = 0;
+    while (!e->stop && !done(t)) {
+        int progressed = 0;
+        for (int i = 0; i < t->ngroups; i++) {
+            group *g = &t->groups[i];
+            for (int k = 0; k < g->nnics; k++) {
+                int got = poll_nic(t, g->nics[k]);
+                if (got < 0) goto out;
+                progressed |= got > 0;
+                if (cfg->lazy && progress_pending(t, g->nics[k]) < 0) goto out;
+            }
+            for (int b = 0; b < cfg->batch && g->issued < g->quota; b++) {
+                int nic = g->nics[g->rr++ % (uint32_t)g->nnics];
+                uint32_t page = (uint32_t)((g->id + g->issued * (uint64_t)cfg->groups) % t->pages);
+                if (!enqueue(&e->nics[nic], page)) break;
+                g->issued++;
+                if (!cfg->lazy && progress_pending(t, nic) < 0) goto out;
+            }
+        }
+        if (progressed) {
+            t->last_progress_ns = fl_now_ns();
+        } else if ((++passes & 255) == 0 && t->remaining) {
+            for (int i = 0; i < t->ngroups; i++)
+                if (t->groups[i].completed < t->groups[i].quota && check_timeout(t, t->groups[i].nics[0]) < 0)
+                    goto out;
+        }
+    }
+out:
+    st->end_ns[t->id] = fl_now_ns();
+    st->timed_bytes[t->id] = t->timed_bytes;
+    atomic_fetch_add(&st->finished_threads, 1);
+    return NULL;
+}
+
+int fl_write_run(fl_engine *e, const fl_config *cfg) {
+    engine_state *st = e->state;
+    e->stop = 0;
+    e->error_code = 0;
+    e->error[0] = 0;
+    if (cfg->threads <= 0 || cfg->threads > FL_MAX_THREADS || cfg->groups <= 0 || cfg->groups < cfg->threads ||
+        cfg->batch <= 0 || cfg->page_size == 0 || cfg->buffer_bytes < cfg->page_size) {
+        snprintf(e->error, FL_ERROR_LEN, "invalid engine configuration");
+        return e->error_code = -FI_EINVAL;
+    }
+    int rc = prepare_slots(e);
+    if (rc) return e->error_code = rc;
+    atomic_store(&st->shared_posted, 0);
+    atomic_store(&st->shared_finished, 0);
+    atomic_store(&st->finished_threads, 0);
+    memset(st->packed, 0, sizeof st->packed);
+    memset(st->padded, 0, sizeof st->padded);
+    uint32_t pages = (uint32_t)((cfg->buffer_bytes + cfg->page_size - 1) / cfg->page_size);
+    int T = cfg->threads;
+    thread_ctx *ctx = calloc(T, sizeof(thread_ctx));
+    group *groups = calloc(cfg->groups, sizeof(group));
+    pthread_t *tids = calloc(T, sizeof(pthread_t));
+    if (!ctx || !groups || !tids) {
+        free(ctx); free(groups); free(tids);
+        return e->error_code = -FI_ENOMEM;
+    }
+    for (int i = 0; i < e->nnics; i++) {
+        int g = e->nics[i].group;
+        if (g < 0 || g >= cfg->groups) {
+            snprintf(e->error, FL_ERROR_LEN, "NIC %d belongs to group %d, outside 0..%d", i, g, cfg->groups - 1);
+            free(ctx); free(groups); free(tids);
+            return e->error_code = -FI_EINVAL;
+        }
+        groups[g].nics[groups[g].nnics++] = i;
+    }
+    for (int g = 0; g < cfg->groups; g++) {
+        groups[g].quota = cfg->total_writes / cfg->groups + ((uint64_t)g < cfg->total_writes % cfg->groups);
+        if (groups[g].quota && groups[g].nnics == 0) {
+            snprintf(e->error, FL_ERROR_LEN, "group %d has writes to do but no NIC", g);
+            free(ctx); free(groups); free(tids);
+            return e->error_code = -FI_EINVAL;
+        }
+    }
+    /* Groups are dealt to threads: with one thread it drives all of them (chapters 9-10). Each thread
+     * gets its groups as one contiguous block of the group array. */
+    group *regrouped = calloc(cfg->groups, sizeof(group));
+    int at = 0;
+    for (int t = 0; t < T; t++) {
+        ctx[t].groups = &regrouped[at];
+        for (int g = t; g < cfg->groups; g += T) {
+            group *mine = &regrouped[at++];
+            *mine = groups[g];
+            mine->id = g;
+            ctx[t].ngroups++;
+            ctx[t].remaining += mine->quota;
+            for (int k = 0; k < mine->nnics; k++) st->nics[mine->nics[k]].group = mine;
+        }
+    }
+    free(groups);
+    pthread_barrier_init(&st->start_line, NULL, T);
+    for (int t = 0; t < T; t++) {
+        ctx[t].e = e;
+        ctx[t].cfg = cfg;
+        ctx[t].st = st;
+        ctx[t].id = t;
+        ctx[t].pages = pages;
+        ctx[t].timeout_ns = (uint64_t)(cfg->timeout_s * 1e9);
+        ctx[t].my_posted = cfg->pad ? &st->padded[t].posted : &st->packed[t].posted;
+        ctx[t].my_finished = cfg->pad ? &st->padded[t].finished : &st->packed[t].finished;
+    }
+    int started = 0;
+    for (; started < T; started++) {
+        rc = pthread_create(&tids[started], NULL, writer_thread, &ctx[started]);
+        if (rc) {
+            fail(e, -rc, "cannot start thread %d: %s", started, strerror(rc));
+            break;
+        }
+    }
+    if (started < T) {
+        /* threads already waiting at the start line would never be released */
+        for (int t = started; t < T; t++) pthread_barrier_wait(&st->start_line);
+    }
+    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    pthread_barrier_destroy(&st->start_line);
+    uint64_t first = UINT64_MAX, last = 0, bytes = 0, writes = 0;
+    for (int t = 0; t < started; t++) {
+        if (st->start_ns[t] < first) first = st->start_ns[t];
+        if (st->end_ns[t] > last) last = st->end_ns[t];
+        bytes += st->timed_bytes[t];
+    }
+    for (int t = 0; t < T; t++)
+        for (int g = 0; g < ctx[t].ngroups; g++) writes += ctx[t].groups[g].completed;
+    e->elapsed_s = last > first ? (double)(last - first) / 1e9 : 0.0;
+    e->timed_bytes = bytes;
+    e->timed_writes = writes;
+    free(regrouped);
+    free(ctx);
+    free(tids);
+    return e->error_code;
+}
+
+/* ------------------------------------------------------------------------------------------ target */
+
+typedef struct target_ctx {
+    fl_engine *e;
+    int id, threads, pin, core;
+    uint64_t timeout_ns;
+} target_ctx;
+
+static void *target_thread(void *arg) {
+    target_ctx *t = arg;
+    fl_engine *e = t->e;
+    if (t->pin) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(t->core, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    struct fi_cq_data_entry entries[CQ_BATCH];
+    uint64_t last_arrival = fl_now_ns();
+    uint64_t passes = 0;
+    while (!e->stop) {
+        int got_any = 0;
+        for (int i = t->id; i < e->nnics; i += t->threads) {
+            fl_nic *n = &e->nics[i];
+            ssize_t got = fi_cq_read(n->cq, entries, CQ_BATCH);
+            n->cq_polls++;
+            if (got == -FI_EAGAIN) continue;
+            if (got == -FI_EAVAIL) {
+                struct fi_cq_err_entry err = {0};
+                char buf[256] = "";
+                fi_cq_readerr(n->cq, &err, 0);
+                n->errors++;
+                fail(e, -err.err, "target NIC %d: %s (%s)", i, fi_strerror(err.err),
+                     fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf));
+                return NULL;
+            }
+            if (got < 0) {
+                fail(e, (int)got, "target NIC %d: fi_cq_read: %s", i, fi_strerror((int)-got));
+                return NULL;
+            }
+            uint64_t counted = 0;
+            for (ssize_t k = 0; k < got; k++) {
+                if (!(entries[k].flags & FI_REMOTE_CQ_DATA)) continue;
+                uint64_t page = entries[k].data;
+                if (page < e->pages) __atomic_fetch_add(&e->page_counts[page], 1, __ATOMIC_RELAXED);
+                counted++;
+            }
+            n->arrivals += counted;
+            if (counted) __atomic_fetch_add(&e->arrivals, counted, __ATOMIC_RELAXED);
+            got_any = 1;
+        }
+        if (got_any) last_arrival = fl_now_ns();
+        uint64_t expected = __atomic_load_n(&e->expected_arrivals, __ATOMIC_RELAXED);
+        if (__atomic_load_n(&e->arrivals, __ATOMIC_RELAXED) >= expected) break;
+        if ((++passes & 1023) == 0 && expected != UINT64_MAX && fl_now_ns() - last_arrival > t->timeout_ns) {
+            fail(e, -FI_ETIMEDOUT, "only %llu of %llu writes arrived; nothing more for %.1f s",
+                 (unsigned long long)e->arrivals, (unsigned long long)expected, t->timeout_ns / 1e9);
+            break;
+        }
+    }
+    return NULL;
+}
+
+int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s) {
+    e->stop = 0;
+    e->error_code = 0;
+    e->error[0] = 0;
+    if (threads <= 0 || threads > FL_MAX_THREADS || !e->page_counts) {
+        snprintf(e->error, FL_ERROR_LEN, "invalid target configuration");
+        return e->error_code = -FI_EINVAL;
+    }
+    target_ctx ctx[FL_MAX_THREADS];
+    pthread_t tids[FL_MAX_THREADS];
+    int started = 0;
+    for (; started < threads; started++) {
+        ctx[started] = (target_ctx){e, started, threads, pin, cores ? cores[started] : 0,
+                                    (uint64_t)(timeout_s * 1e9)};
+        int rc = pthread_create(&tids[started], NULL, target_thread, &ctx[started]);
+        if (rc) {
+            fail(e, -rc, "cannot start target thread %d: %s", started, strerror(rc));
+            break;
+        }
+    }
+    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    return e->error_code;
+}

@@ -1,0 +1,79 @@
+/* fabriclab's native multi-NIC write engine (chapters 9-15).
+ *
+ * Python opens every libfabric object (fabriclab.fi) and fills one fl_nic per NIC slot; this code only
+ * runs the hot loop: posting RDMA WRITEs with immediate data, reaping completions, retrying -FI_EAGAIN,
+ * from one or many pinned threads. Each chapter's technique is a switch in fl_config, so a lesson can
+ * measure exactly what that technique adds. */
+#ifndef FABRICLAB_ENGINE_H
+#define FABRICLAB_ENGINE_H
+#include <stdint.h>
+#include <rdma/fabric.h>
+#include <rdma/fi_domain.h>
+
+#define FL_MAX_THREADS 256
+#define FL_MAX_NICS 1024
+#define FL_ERROR_LEN 512
+
+/* One NIC slot: an endpoint and what it needs to write to (or count writes from) its peer slot.
+ * Aligned to a cache line so that threads owning different NICs never share one. */
+typedef struct fl_nic {
+    struct fid_ep *ep;
+    struct fid_cq *cq;
+    void *desc;              /* fi_mr_desc of the local buffer in this NIC's domain */
+    fi_addr_t dest;          /* the peer slot, in this endpoint's address vector */
+    uint64_t remote_base;    /* what offset 0 of the peer's buffer is called (FI_MR_VIRT_ADDR or 0) */
+    uint64_t rkey;           /* the peer buffer's key in the peer's domain for this slot */
+    int group;               /* which GPU group (thread, from chapter 11 on) drives this NIC */
+    uint32_t max_in_flight;  /* writes allowed in flight on this NIC (the provider's tx queue size) */
+    /* the pending queue: page indices waiting to be posted, a ring owned by one thread */
+    uint32_t *ring;
+    uint32_t ring_capacity;
+    uint32_t ring_head, ring_tail;
+    uint32_t in_flight;
+    /* counters, written only by the thread that owns the NIC */
+    uint64_t bytes, writes, completions, eagain, cq_polls, errors, arrivals, more_flushes;
+} __attribute__((aligned(64))) fl_nic;
+
+typedef struct fl_config {
+    int threads;            /* 1 = one thread drives every group (ch 9-10); else one thread per group */
+    int groups;             /* GPU groups; a NIC belongs to one */
+    int warmup;             /* ch 10: one untimed write per NIC before the clock starts */
+    int pin;                /* ch 12: pin thread t to cores[t] */
+    int shard;              /* ch 13: per-thread counters instead of shared atomics */
+    int pad;                /* beyond ch 13: one cache line per thread's counters */
+    int batch;              /* ch 14: writes enqueued per group per pass (1 = chapters 9-13) */
+    int lazy;               /* ch 15: enqueue only; post from the completion loop after draining the CQ */
+    int fi_more;            /* extra: FI_MORE on all but the last write of each run posted to one NIC */
+    int cores[FL_MAX_THREADS];
+    uint64_t total_writes;  /* timed writes, over all groups */
+    uint64_t page_size;
+    uint64_t buffer_bytes;  /* the region written cyclically, page by page */
+    uint64_t local_base;    /* address of the local buffer (source of the writes) */
+    double timeout_s;       /* no completion on a NIC with work for this long: the peer is gone */
+} fl_config;
+
+typedef struct fl_engine {
+    int nnics;
+    fl_nic *nics;
+    volatile int stop;                 /* set by Python (interrupt) or by a thread that failed */
+    int error_code;                    /* negative libfabric/errno code of the first failure, or 0 */
+    char error[FL_ERROR_LEN];
+    double elapsed_s;                  /* timed part of the last run */
+    uint64_t timed_writes, timed_bytes;
+    /* target side */
+    uint32_t *page_counts;             /* arrivals per page (immediate data = page index) */
+    uint64_t pages;
+    volatile uint64_t expected_arrivals; /* the target stops once this many have landed */
+    volatile uint64_t arrivals;        /* published total */
+    void *state;                       /* engine-private */
+} fl_engine;
+
+fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
+void fl_engine_free(fl_engine *e);
+/* Writer: runs the configured transfer to completion (or error/stop); 0 or a negative error code. */
+int fl_write_run(fl_engine *e, const fl_config *cfg);
+/* Target: polls every NIC with `threads` threads, counting writes per page, until expected_arrivals
+ * have landed, stop is set, or nothing arrives for timeout_s while some are still expected. */
+int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s);
+uint64_t fl_now_ns(void);
+#endif
