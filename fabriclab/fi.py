@@ -24,7 +24,12 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from ._fabric import ffi, lib
+# libfabric's psm providers load libinfinipath, which installs its own SIGINT/SIGTERM/SIGSEGV handlers
+# that end the process without Python's cleanup (no KeyboardInterrupt) unless told not to.
+os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
+os.environ.setdefault("HFI_NO_BACKTRACE", "1")
+
+from ._fabric import ffi, lib  # noqa: E402
 
 #: Providers in the order fabriclab prefers them when none is named: real RDMA NICs first, then the
 #: shared-memory provider (two processes on one host), then TCP (any network, loopback included).
@@ -395,8 +400,8 @@ class Resource:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        _close_keeping(self, exc)
         return False
 
     @property
@@ -973,9 +978,19 @@ class EndpointStack:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        _close_keeping(self, exc)
         return False
+
+
+def _close_keeping(resource, pending: BaseException | None) -> None:
+    """Close; when an exception is already on its way out, a failure to close (e.g. EBUSY after a
+    timeout) must not replace it."""
+    try:
+        resource.close()
+    except FabricError:
+        if pending is None:
+            raise
 
 
 def open_endpoint(provider: str | None = None, domain: str | None = None, **kw) -> EndpointStack:

@@ -1,0 +1,60 @@
+"""Chapters 11–13 — one thread per GPU group, pinned near its NICs, with sharded state.
+
+Chapter 9's single thread could not keep 32 NICs busy. Chapter 11 gives every GPU group its own thread
+(each owns its NICs outright, so no NIC is shared), but the threads still bump shared atomic counters
+and the operating system moves them between cores. Chapter 12 pins each thread to one core near its
+NICs (from ``fabriclab.topology``); chapter 13 replaces the shared counters with one slot per thread.
+The article's slots still share a cache line; ``pad`` goes one step further and gives each its own.
+
+    python -m fabriclab.multi_nic serve
+    python -m fabriclab.threaded connect ADDR --nics 8 --threads 4 [--no-pin] [--no-shard] [--no-pad]
+"""
+from __future__ import annotations
+
+import os
+
+from . import cli, fi, multi_nic
+from .multi_nic import MultiNicWriter
+
+
+class ThreadedWriter(MultiNicWriter):
+    """MultiNicWriter with ``threads`` worker threads, one per GPU group."""
+
+    stage = "threaded"
+
+    def __init__(self, stack, server_address, timeout=fi.DEFAULT_TIMEOUT, *, threads: int = 1, pin: bool = True,
+                 shard: bool = True, pad: bool = True, **kw):
+        if threads <= 0:
+            raise fi.UsageError(f"threads must be at least 1, got {threads}")
+        if threads > os.cpu_count():
+            raise fi.UsageError(f"{threads} threads is more than this machine's {os.cpu_count()} cores")
+        kw.setdefault("groups", threads)
+        super().__init__(stack, server_address, timeout, **kw)
+        self.thread_count, self.pin, self.shard, self.pad = threads, pin, shard, pad
+
+    @classmethod
+    def options_from_args(cls, args) -> dict:
+        return {**super().options_from_args(args), "groups": args.threads, "threads": args.threads,
+                "pin": args.pin, "shard": args.shard, "pad": args.pad}
+
+    def switches(self) -> dict:
+        return {**super().switches(), "threads": self.thread_count, "groups": self.thread_count,
+                "pin": int(self.pin), "shard": int(self.shard), "pad": int(self.shard and self.pad)}
+
+
+def add_thread_options(parser) -> None:
+    multi_nic.add_engine_options(parser)
+    parser.add_argument("--threads", type=int, default=1, help="worker threads, one per GPU group (default 1)")
+    parser.add_argument("--no-pin", dest="pin", action="store_false", help="chapter 11: let the OS place threads")
+    parser.add_argument("--no-shard", dest="shard", action="store_false",
+                        help="chapters 11-12: shared atomic counters")
+    parser.add_argument("--no-pad", dest="pad", action="store_false",
+                        help="chapter 13 as the article: per-thread counters packed into one cache line")
+
+
+def main(argv=None) -> int:
+    return multi_nic.main(argv, ThreadedWriter, add_thread_options)
+
+
+if __name__ == "__main__":
+    cli.run(main)
