@@ -10,20 +10,39 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import cli, fi, memory, opqueue, rdma_write
+from . import batched, cli, fi, memory, multi_nic, opqueue, rdma_write, threaded
 from .peers import ServerProcess
 
-#: stage name → (module, writer class, chapter)
+#: stage name → (writer class, first chapter)
 STAGES = {
-    "rdma_write": (rdma_write, rdma_write.Writer, 6),
-    "opqueue": (opqueue, opqueue.QueuedWriter, 7),
+    "rdma_write": (rdma_write.Writer, 6),
+    "opqueue": (opqueue.QueuedWriter, 7),
+    "multi_nic": (multi_nic.MultiNicWriter, 9),
+    "threaded": (threaded.ThreadedWriter, 11),
+    "batched": (batched.BatchedWriter, 14),
 }
-TARGET_MODULE = "fabriclab.rdma_write"
+# The multi-NIC target serves every stage: it is chapter 6's target plus NIC sets.
+TARGET_MODULE = "fabriclab.multi_nic"
+
+#: The article's progression: chapter, what it adds, stage, switches that differ from "all on".
+PROGRESSION = [
+    ("7", "operation queue, one NIC", "opqueue", {}),
+    ("9", "one thread, all NICs", "multi_nic", {"warmup": 0}),
+    ("10", "+ warm-up", "multi_nic", {}),
+    ("11", "a thread per group", "threaded", {"pin": False, "shard": False}),
+    ("12", "+ pinned to cores", "threaded", {"shard": False}),
+    ("13", "+ sharded counters", "threaded", {"pad": False}),
+    ("13+", "+ one cache line each", "threaded", {}),
+    ("14", "batches of 16", "batched", {"lazy": False}),
+    ("15", "+ lazy posting", "batched", {}),
+    ("15+", "+ FI_MORE", "batched", {"fi_more": True}),
+]
 
 
 @dataclass
@@ -38,6 +57,33 @@ class BenchConfig:
     warmup: int = 16
     verify: bool = True
     timeout: float = 30.0
+    nics: int | None = None
+    threads: int = 1
+    pin: bool = True
+    shard: bool = True
+    pad: bool = True
+    batch: int = batched.DEFAULT_BATCH
+    lazy: bool = True
+    fi_more: bool = False
+
+    def writer_options(self) -> dict:
+        """Constructor options of this stage's writer (each stage takes its own and its ancestors')."""
+        cls = STAGES[self.stage][0]
+        options = {}
+        if issubclass(cls, opqueue.QueuedWriter):
+            options["in_flight"] = self.in_flight
+        if issubclass(cls, multi_nic.MultiNicWriter):
+            options.update(nics=self.nics, domains=self.domain, groups=self.threads, warmup=self.warmup > 0,
+                           in_flight=self.in_flight)
+        if issubclass(cls, threaded.ThreadedWriter):
+            options.update(threads=self.threads, pin=self.pin, shard=self.shard, pad=self.pad)
+        if issubclass(cls, batched.BatchedWriter):
+            options.update(batch=self.batch, lazy=self.lazy, fi_more=self.fi_more)
+        return options
+
+    @property
+    def control_domain(self) -> str | None:
+        return (self.domain or "").split(",")[0] or None
 
     def check(self) -> None:
         if self.stage not in STAGES:
@@ -69,15 +115,21 @@ class BenchResult:
     landed: int
     memcpy_gbps: float
     ratio_to_memcpy: float
+    nics: int = 1
+    emulated_nics: int = 0
+    threads: int = 1
     paths: dict = field(default_factory=dict)
+    per_nic: list = field(default_factory=list)
+    label: str = ""
 
-    COLUMNS = ("stage", "provider", "memory", "page", "in flight", "bytes", "elapsed s", "Gbps", "Mops/s",
-               "ns CPU/op", "verified")
+    COLUMNS = ("stage", "provider", "memory", "nics", "threads", "page", "in flight", "bytes", "elapsed s", "Gbps",
+               "Mops/s", "ns CPU/op", "verified")
 
     def row(self) -> tuple:
-        return (self.stage, self.provider, self.memory, _size(self.page_size), str(self.in_flight),
-                _size(self.total_bytes), f"{self.elapsed_s:.3f}", f"{self.gbps:.2f}", f"{self.mops:.3f}",
-                f"{self.cpu_ns_per_op:.0f}", str(self.verified))
+        nics = f"{self.nics}" + (f" ({self.emulated_nics} emu)" if self.emulated_nics else "")
+        return (self.label or self.stage, self.provider, self.memory, nics, str(self.threads), _size(self.page_size),
+                str(self.in_flight), _size(self.total_bytes), f"{self.elapsed_s:.3f}", f"{self.gbps:.2f}",
+                f"{self.mops:.3f}", f"{self.cpu_ns_per_op:.0f}", str(self.verified))
 
 
 def _size(n: int) -> str:
@@ -87,18 +139,23 @@ def _size(n: int) -> str:
     return str(n)
 
 
-def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
-    """Best of ``repeats`` single-threaded copies of ``nbytes`` (capped at 256 MiB), in Gbps."""
-    n = max(1, min(nbytes, 256 << 20))
-    src = np.ones(n, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in before timing
+def memcpy_gbps(nbytes: int, threads: int = 1, repeats: int = 3) -> float:
+    """Best of ``repeats`` copies of ``nbytes`` (capped at 256 MiB per thread) split over ``threads``
+    threads copying at once, in Gbps. numpy releases the GIL while it copies."""
+    per_thread = max(1, min(nbytes // threads, 256 << 20))
+    pairs = [(np.ones(per_thread, dtype=np.uint8), np.empty(per_thread, dtype=np.uint8)) for _ in range(threads)]
+    for src, dst in pairs:
+        np.copyto(dst, src)  # fault the pages in before timing
     best = float("inf")
     for _ in range(repeats):
+        workers = [threading.Thread(target=np.copyto, args=(dst, src)) for src, dst in pairs]
         t0 = time.perf_counter()
-        np.copyto(dst, src)
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
         best = min(best, time.perf_counter() - t0)
-    return n * 8 / best / 1e9
+    return per_thread * threads * 8 / best / 1e9
 
 
 def format_table(results: list[BenchResult]) -> str:
@@ -147,26 +204,38 @@ class Bench:
         if domain:
             args += ["--domain", domain]
         self.server = ServerProcess(TARGET_MODULE, args, launcher=launcher, echo=echo)
-        # One endpoint and writer per stage: a writer owns its endpoint's completion queue.
-        self._writers: dict[str, rdma_write.Writer] = {}
-        self._memcpy: dict[int, float] = {}
+        # One writer per stage, each on its own endpoint (a writer owns its completion queue), made anew
+        # when its options change.
+        self._writers: dict[str, tuple[dict, rdma_write.Writer]] = {}
+        self._memcpy: dict[tuple, float] = {}
 
     def _writer(self, config: BenchConfig) -> rdma_write.Writer:
-        writer = self._writers.get(config.stage)
-        if writer is None:
-            _, cls, _ = STAGES[config.stage]
-            stack = memory.open_endpoint(self.provider, self.domain, self.memory)
-            try:
-                writer = cls(stack, self.server.address, self.timeout)
-            except BaseException:
-                stack.close()
-                raise
-            self._writers[config.stage] = writer
-        if hasattr(writer, "queue"):
-            writer.in_flight = config.in_flight
+        options = config.writer_options()
+        known = self._writers.get(config.stage)
+        if known is not None and known[0] == options:
+            return known[1]
+        if known is not None:
+            self._close_writer(known[1])
+        cls = STAGES[config.stage][0]
+        stack = memory.open_endpoint(self.provider, config.control_domain, self.memory)
+        try:
+            writer = cls(stack, self.server.address, self.timeout, **options)
+        except BaseException:
+            stack.close()
+            raise
+        self._writers[config.stage] = (options, writer)
         return writer
 
-    def run(self, config: BenchConfig, progress: bool = False) -> BenchResult:
+    def _close_writer(self, writer: rdma_write.Writer) -> None:
+        try:
+            writer.release()
+            if self.server.running:
+                writer.close()
+        except fi.FabricError:
+            pass
+        writer.stack.close()
+
+    def run(self, config: BenchConfig, progress: bool = False, label: str = "") -> BenchResult:
         config.check()
         if config.memory != self.memory:
             raise fi.UsageError(f"this Bench was opened for {self.memory} memory, not {config.memory}")
@@ -185,23 +254,21 @@ class Bench:
             writer.on_progress = None
         report = writer.finish(verify=config.verify)
         writer.release()
-        ceiling = self._memcpy.setdefault(plan.buffer_bytes, memcpy_gbps(plan.buffer_bytes))
+        threads = getattr(stats, "threads", 1)
+        ceiling = self._memcpy.setdefault((plan.buffer_bytes, threads), memcpy_gbps(plan.buffer_bytes, threads))
         path = paths["local"] if paths["local"] == paths["remote_path"] else f"{paths['local']}->{paths['remote_path']}"
         return BenchResult(
-            stage=config.stage, provider=writer.stack.info.provider, domain=writer.stack.info.domain, memory=path,
-            page_size=plan.page_size, in_flight=getattr(writer, "in_flight", 1), writes=stats.writes,
-            total_bytes=stats.bytes, elapsed_s=stats.elapsed_s, gbps=stats.gbps, mops=stats.mops,
-            cpu_ns_per_op=stats.cpu_ns_per_op, eagain=stats.eagain, verified=report.verified,
-            landed=report.arrivals, memcpy_gbps=ceiling, ratio_to_memcpy=stats.gbps / ceiling, paths=paths)
+            stage=config.stage, provider=writer.stack.info.provider, domain=config.domain or writer.stack.info.domain,
+            memory=path, page_size=plan.page_size, in_flight=config.in_flight if config.stage != "rdma_write" else 1,
+            writes=stats.writes, total_bytes=stats.bytes, elapsed_s=stats.elapsed_s, gbps=stats.gbps, mops=stats.mops,
+            cpu_ns_per_op=stats.cpu_ns_per_op, eagain=stats.eagain, verified=report.verified, landed=report.arrivals,
+            memcpy_gbps=ceiling, ratio_to_memcpy=stats.gbps / ceiling if ceiling else 0.0,
+            nics=getattr(stats, "nics", 1), emulated_nics=getattr(stats, "emulated_nics", 0), threads=threads,
+            paths=paths, per_nic=getattr(stats, "per_nic", []), label=label)
 
     def close(self) -> None:
-        for writer in self._writers.values():
-            try:
-                if self.server.running:
-                    writer.close()
-            except fi.FabricError:
-                pass
-            writer.stack.close()
+        for _, writer in self._writers.values():
+            self._close_writer(writer)
         self._writers.clear()
         self.server.stop()
 
@@ -233,29 +300,81 @@ def sweep(page_sizes, in_flights, **kw) -> list[BenchResult]:
     return out
 
 
+def progression(chapters=None, **kw) -> list[BenchResult]:
+    """The article's chapters 7 and 9-15 (plus this project's extra steps), one after the other through
+    one target, each with only its chapter's techniques on. ``chapters`` picks some ("9", "15", ...)."""
+    base = BenchConfig(**kw)
+    base.check()
+    out = []
+    with Bench(base.provider, base.domain, base.memory, base.timeout) as bench:
+        for chapter, what, stage, overrides in PROGRESSION:
+            if chapters is not None and chapter not in chapters:
+                continue
+            config = BenchConfig(**{**asdict(base), "stage": stage, **overrides})
+            out.append(bench.run(config, label=f"{chapter} {what}"))
+    return out
+
+
 def add_arguments(p) -> None:
     cli.add_fabric_options(p)
     p.set_defaults(timeout=30.0)
     p.add_argument("--stage", default="opqueue", help=f"one of {', '.join(STAGES)} (default opqueue)")
+    p.add_argument("--progression", action="store_true",
+                   help="run chapters 7, 9-15 one after the other (each with its own techniques only)")
     p.add_argument("--page-size", type=cli.positive_size, default=64 << 10, help="bytes per write (default 64K)")
     p.add_argument("--total", type=cli.positive_size, default=256 << 20, help="bytes to move (default 256M)")
-    p.add_argument("--in-flight", type=int, default=opqueue.DEFAULT_IN_FLIGHT, help="pages in flight (default 64)")
+    p.add_argument("--in-flight", type=int, default=opqueue.DEFAULT_IN_FLIGHT,
+                   help="pages in flight (per NIC for the engine stages; default 64)")
     p.add_argument("--memory", default="host", choices=memory.MEMORY_KINDS, help="host or cuda memory")
-    p.add_argument("--warmup", type=int, default=16, help="untimed writes before timing (default 16)")
+    p.add_argument("--warmup", type=int, default=16,
+                   help="untimed writes before timing (engine stages: 0 turns chapter 10's warm-up off)")
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the target's byte-exact check (pure speed)")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    engine = p.add_argument_group("engine stages (multi_nic, threaded, batched)")
+    engine.add_argument("--nics", type=int, default=None,
+                        help="NIC slots (default: every domain; more than there are = emulated NICs)")
+    engine.add_argument("--threads", type=int, default=1, help="GPU groups / worker threads (default 1)")
+    engine.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin threads to cores")
+    engine.add_argument("--no-shard", dest="shard", action="store_false", help="shared atomic counters")
+    engine.add_argument("--no-pad", dest="pad", action="store_false", help="sharded counters share a cache line")
+    engine.add_argument("--batch", type=int, default=batched.DEFAULT_BATCH, help="writes per pass (default 16)")
+    engine.add_argument("--no-lazy", dest="lazy", action="store_false", help="post on every enqueue")
+    engine.add_argument("--fi-more", action="store_true", help="FI_MORE on all but the last write of a run")
+    p.add_argument("--json", action="store_true", help="print one JSON object per result, the last on the last line")
+
+
+def config_from_args(args) -> BenchConfig:
+    return BenchConfig(stage=args.stage, provider=args.provider, domain=args.domain, page_size=args.page_size,
+                       total=args.total, in_flight=args.in_flight, memory=args.memory, warmup=args.warmup,
+                       verify=args.verify, timeout=args.timeout, nics=args.nics, threads=args.threads, pin=args.pin,
+                       shard=args.shard, pad=args.pad, batch=args.batch, lazy=args.lazy, fi_more=args.fi_more)
+
+
+def print_results(results: list[BenchResult], as_json: bool) -> None:
+    print(format_table(results))
+    for r in results:
+        ceiling = (f"memcpy ceiling ({r.threads} thread{'s' if r.threads > 1 else ''}, same bytes): "
+                   f"{r.memcpy_gbps:.2f} Gbps; {r.label or r.stage} ran at {r.ratio_to_memcpy * 100:.1f} % of it")
+        print(ceiling)
+        if r.emulated_nics:
+            print(f"  {r.emulated_nics} of {r.nics} NICs are emulated (endpoints sharing a domain)")
+        if len(r.per_nic) > 1:
+            split = ", ".join(f"{n['nic']}:{n['bytes'] * 8 / r.elapsed_s / 1e9:.2f}" for n in r.per_nic[:32]) \
+                if r.elapsed_s else ""
+            print(f"  per-NIC Gbps: {split}")
+        why = r.paths.get("local_why") or r.paths.get("remote_why")
+        if why:
+            print(f"  GPU memory was staged through pinned host memory: {why}")
+    if as_json:
+        for r in results:
+            print(json.dumps(asdict(r)))
 
 
 def main(args) -> int:
-    config = BenchConfig(args.stage, args.provider, args.domain, args.page_size, args.total, args.in_flight,
-                         args.memory, args.warmup, args.verify, args.timeout)
-    result = run(config, progress=not args.json)
-    print(format_table([result]))
-    print(f"memcpy ceiling (1 thread, same bytes): {result.memcpy_gbps:.2f} Gbps; this transfer ran at "
-          f"{result.ratio_to_memcpy * 100:.1f} % of it")
-    if result.paths.get("local_why") or result.paths.get("remote_why"):
-        print(f"GPU memory was staged through pinned host memory: {result.paths.get('local_why') or result.paths.get('remote_why')}")
-    if args.json:
-        print(json.dumps(asdict(result)))
-    return 0 if result.verified in (True, None) else 1
+    config = config_from_args(args)
+    if args.progression:
+        results = progression(**asdict(config))
+    else:
+        results = [run(config, progress=not args.json)]
+    print_results(results, args.json)
+    return 0 if all(r.verified in (True, None) for r in results) else 1

@@ -48,8 +48,9 @@ class Mailbox:
         self.timeout = timeout
         self.max_payload = check_size(max_payload, "maximum payload")
         self.slot_size = HEADER.size + self.max_payload
-        self.inbox = np.empty((slots, self.slot_size), dtype=np.uint8)
-        self.outbox = np.empty((slots, self.slot_size), dtype=np.uint8)
+        # zeros, not empty: touching every page now keeps first-use page faults out of the first messages
+        self.inbox = np.zeros((slots, self.slot_size), dtype=np.uint8)
+        self.outbox = np.zeros((slots, self.slot_size), dtype=np.uint8)
         self.inbox_mr = stack.register(self.inbox)
         self.outbox_mr = stack.register(self.outbox)
         self.free_outbox = list(range(slots))
@@ -99,7 +100,8 @@ class Mailbox:
                                 timeout=self.timeout)
 
     def receive(self, stop=None, timeout: float | None = None) -> list[Message]:
-        """Messages that have arrived, waiting up to ``timeout`` for at least one (None: ``stop`` was set)."""
+        """Messages that have arrived, waiting up to ``timeout`` for at least one (an empty list when
+        ``stop`` was set first)."""
         for slot in self._to_repost:
             self._post_receive(slot)
         self._to_repost.clear()

@@ -766,7 +766,9 @@ class Endpoint(Resource):
         return Address(self.info.provider, self.info.addr_format, self.name, max_message)
 
     # Each post comes in two forms: try_post_* returns False on -FI_EAGAIN (the caller decides when to
-    # retry) and post_* progresses the completion queue and retries until its deadline.
+    # retry) and post_* progresses this endpoint's completion queue and retries until its deadline. With
+    # both peers in one process, use try_post_* and poll both queues: software providers also need the
+    # peer to make progress before they accept the first message to it.
 
     def try_post_recv(self, mr: MemoryRegion, offset: int, length: int, token: Any,
                       source: int = None) -> bool:

@@ -465,7 +465,7 @@ class MultiNicWriter(Writer):
 
 
 def serve(args, stop: cli.StopSignal) -> int:
-    with memory.open_endpoint(args.provider, (args.domain or "").split(",")[0] or None, "host") as stack:
+    with memory.open_endpoint(args.provider, (args.domain or "").split(",")[0] or None, args.memory) as stack:
         target = MultiNicTarget(stack, stack.info.provider, args.domain, timeout=args.timeout)
         print(stack.ep.address(4096 + bidirectional.HEADER.size).hex(), flush=True)
         print(f"multi-NIC target on {stack.info.provider}: control endpoint {stack.ep.address().describe()}",
@@ -506,6 +506,8 @@ def connect_with(cls, args) -> int:
 
 def build_parser(add_options=add_engine_options):
     parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[1])
+    serve_p.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host",
+                         help="ask for FI_HMEM when cuda memory will be written here")
     rdma_write.add_transfer_options(connect_p, total_default="256M")
     add_options(connect_p)
     return parser

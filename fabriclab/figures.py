@@ -1,0 +1,428 @@
+"""Figures for the lessons. Every function returns a matplotlib Figure (not registered with pyplot, so a
+notebook shows it once when it is a cell's value, and a script can ``fig.savefig(...)`` it).
+
+Diagrams (``network_stacks``, ``post_and_poll``, ``message_sequence``) are drawn from fixed text; the
+others draw what they are given: ``object_tree`` the live tree of ``fi.describe_tree``, ``timeline`` a
+``lesson.Trace``, ``roadmap`` the article's milestones from ``tour.ARTICLE``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Mapping, Sequence
+
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyBboxPatch
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+# One palette for every lesson.
+COLORS = {
+    "app": "#dbe9f6", "user": "#c6e2c3", "kernel": "#f6d7b0", "nic": "#d9c8ea", "data": "#c0392b",
+    "control": "#7f8c8d", "recv": "#2e86c1", "send": "#d35400", "write": "#8e44ad", "grid": "#e5e5e5",
+}
+DPI = 90
+
+
+def _figure(width: float, height: float) -> Figure:
+    return Figure(figsize=(width, height), dpi=DPI)
+
+
+def _canvas(fig: Figure, rect=(0, 0, 1, 1), xlim=(0, 10), ylim=(0, 10)):
+    """An axes with no ticks in data units, for diagrams."""
+    ax = fig.add_axes(rect)
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.axis("off")
+    return ax
+
+
+def _box(ax, x, y, w, h, text, color, fontsize=9, weight="normal", style="round,pad=0.02,rounding_size=0.12",
+         edge="#555555", text_color="black", ha="center"):
+    ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle=style, facecolor=color, edgecolor=edge, linewidth=1))
+    tx = x + w / 2 if ha == "center" else x + 0.15
+    ax.text(tx, y + h / 2, text, ha=ha, va="center", fontsize=fontsize, weight=weight, color=text_color)
+
+
+def _arrow(ax, start, end, color="black", width=1.2, style="-|>", dashed=False, text=None, text_xy=None,
+           fontsize=8, text_color=None, ha="center", connection="arc3"):
+    ax.annotate("", xy=end, xytext=start,
+                arrowprops=dict(arrowstyle=style, color=color, lw=width, linestyle="--" if dashed else "-",
+                                shrinkA=0, shrinkB=0, connectionstyle=connection))
+    if text:
+        x, y = text_xy or ((start[0] + end[0]) / 2, (start[1] + end[1]) / 2)
+        ax.text(x, y, text, fontsize=fontsize, color=text_color or color, ha=ha, va="center")
+
+
+# ---------------------------------------------------------------------------------------- chapter 0
+
+
+_GBPS = re.compile(r"([\d.]+)\s*Gbps")
+
+
+def milestones(article: Mapping[int, tuple[str, str]]) -> list[tuple[int, str, float, bool]]:
+    """(chapter, stage, Gbps, one_nic) for every milestone of ``article`` (tour.ARTICLE) that has a rate."""
+    out = []
+    for chapter, (stage, text) in sorted(article.items()):
+        m = _GBPS.search(text)
+        if m:
+            out.append((chapter, stage, float(m.group(1)), "one NIC" in text))
+    return out
+
+
+def roadmap(article: Mapping[int, tuple[str, str]] | None = None, nic_gbps: float = 100.0,
+            total_gbps: float = 3200.0) -> Figure:
+    """The article's milestones: single-NIC figures against one link, then the 32-NIC climb to 3200 Gbps."""
+    if article is None:
+        from .tour import ARTICLE as article
+    rows = milestones(article)
+    one = [r for r in rows if r[3]]
+    many = [r for r in rows if not r[3]]
+    fig = _figure(10, 3.4)
+    ax1 = fig.add_axes((0.06, 0.2, 0.18, 0.65))
+    ax2 = fig.add_axes((0.32, 0.2, 0.66, 0.65))
+    for ax, group, ceiling, title in ((ax1, one, nic_gbps, f"one NIC ({nic_gbps:g} Gbps link)"),
+                                      (ax2, many, total_gbps, f"all NICs ({total_gbps:g} Gbps)")):
+        xs = range(len(group))
+        bars = ax.bar(xs, [g for _, _, g, _ in group], color=COLORS["recv"] if ax is ax1 else COLORS["send"],
+                      width=0.6, zorder=2)
+        ax.axhline(ceiling, color="black", lw=1, ls="--", zorder=1)
+        ax.set_ylim(0, ceiling * 1.15)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"ch{c}\n{s}" for c, s, _, _ in group], fontsize=7)
+        ax.set_ylabel("Gbps", fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="y", color=COLORS["grid"], zorder=0)
+        for bar, (_, _, gbps, _) in zip(bars, group):
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + ceiling * 0.02,
+                    f"{gbps:g}\n{gbps / ceiling:.0%}", ha="center", va="bottom", fontsize=6.5)
+    fig.suptitle("Milestones of the article on AWS p5 (what this course rebuilds, chapter by chapter)",
+                 fontsize=10, y=0.99)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------- chapter 1
+
+
+def network_stacks() -> Figure:
+    """Sockets over the kernel's TCP/IP stack beside RDMA through libfabric: where each byte goes."""
+    fig = _figure(10, 5.8)
+    ax = _canvas(fig, xlim=(0, 20), ylim=(-0.9, 11))
+
+    def boundary(x0, x1, y, above, below):
+        ax.plot([x0, x1], [y, y], color="#999999", lw=1, ls=":")
+        ax.text(x1 + 0.1, y + 0.12, above, fontsize=7, color="#555555", style="italic", va="bottom")
+        ax.text(x1 + 0.1, y - 0.12, below, fontsize=7, color="#555555", style="italic", va="top")
+
+    # Left: sockets.
+    x, w = 0.4, 7.6
+    ax.text(x + w / 2, 10.7, "Sockets (kernel TCP/IP)", ha="center", fontsize=11, weight="bold")
+    _box(ax, x, 9.2, w, 1.0, "application", COLORS["app"])
+    _box(ax, x, 7.8, w, 0.9, "socket calls: send() / recv(), a system call each", COLORS["user"])
+    boundary(x - 0.2, x + w + 0.2, 7.3, "user", "kernel")
+    _box(ax, x, 5.9, w, 0.85, "socket buffers (bytes copied in and out)", COLORS["kernel"])
+    _box(ax, x, 4.85, w, 0.85, "TCP: ordering, retransmission, congestion control", COLORS["kernel"])
+    _box(ax, x, 3.8, w, 0.85, "IP: routing, checksums", COLORS["kernel"])
+    _box(ax, x, 2.75, w, 0.85, "NIC driver, interrupts", COLORS["kernel"])
+    boundary(x - 0.2, x + w + 0.2, 2.0, "", "hardware")
+    _box(ax, x, 0.5, w, 1.0, "Ethernet NIC", COLORS["nic"])
+    _arrow(ax, (x + 0.35, 9.2), (x + 0.35, 1.5), color=COLORS["data"], width=2.5)
+    ax.text(x + w / 2, -0.35, "data path: every message crosses into the kernel,\nis copied, and costs CPU "
+            "time for the protocol", color=COLORS["data"], fontsize=7.5, ha="center", va="center")
+
+    # Right: RDMA through libfabric.
+    x, w = 10.9, 7.6
+    ax.text(x + w / 2, 10.7, "RDMA through libfabric", ha="center", fontsize=11, weight="bold")
+    _box(ax, x, 9.2, w, 1.0, "application  +  its registered buffers", COLORS["app"])
+    _box(ax, x, 7.8, w, 0.9, "libfabric: fi_send / fi_recv / fi_write / fi_cq_read", COLORS["user"])
+    _box(ax, x + 1.0, 6.55, w - 1.0, 0.85, "provider: efa, verbs, shm, tcp ...", COLORS["user"])
+    _box(ax, x + 1.0, 5.3, w - 1.0, 0.85, "user-space driver: hands work to the NIC", COLORS["user"])
+    boundary(x - 0.2, x + w + 0.2, 4.6, "user", "kernel")
+    _box(ax, x + 2.6, 2.6, w - 2.6, 1.45, "kernel driver, set-up only:\nopen the device, register\nmemory, "
+         "create queues", COLORS["kernel"], fontsize=8)
+    boundary(x - 0.2, x + w + 0.2, 2.0, "", "hardware")
+    _box(ax, x, 0.5, w, 1.0, "RDMA NIC (EFA: the SRD transport runs on the card)", COLORS["nic"])
+    _arrow(ax, (x + 0.35, 9.2), (x + 0.35, 1.5), color=COLORS["data"], width=2.5)
+    ax.text(x + 0.6, 3.4, "no kernel,\nno copy:\nthe NIC DMAs\nyour buffers", color=COLORS["data"],
+            fontsize=7.5, va="center")
+    _arrow(ax, (x + w - 0.8, 5.3), (x + w - 0.8, 4.05), color=COLORS["control"], dashed=True)
+    ax.text(x + w / 2, -0.35, "data path: the application posts work, the NIC moves the bytes,\nthe kernel "
+            "only helped set things up", color=COLORS["data"], fontsize=7.5, ha="center", va="center")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------- chapter 2
+
+
+def post_and_poll() -> Figure:
+    """The asynchronous model: post work requests that describe registered memory, the NIC works on them,
+    completions come back through a queue the application polls."""
+    fig = _figure(10, 4.8)
+    ax = _canvas(fig, xlim=(0, 20), ylim=(0, 9.6))
+    _box(ax, 0.3, 6.2, 5.0, 2.2, "application thread\n(posts work, polls for\ncompletions, never blocks)",
+         COLORS["app"], fontsize=8.5)
+    _box(ax, 7.4, 0.3, 6.0, 1.3, "registered memory: allocated and registered\nonce, reused by every operation",
+         COLORS["user"], fontsize=8)
+    _box(ax, 15.4, 2.4, 4.2, 5.6, "NIC\n\n(for shm and tcp,\nthe provider's\nsoftware plays\nits part)",
+         COLORS["nic"], fontsize=8.5)
+
+    def queue(y, title, filled, color):
+        ax.text(10.4, y + 1.0, title, ha="center", fontsize=8)
+        for i in range(8):
+            face = color if i < filled else "white"
+            ax.add_patch(FancyBboxPatch((7.6 + i * 0.7, y), 0.6, 0.75, boxstyle="square,pad=0", facecolor=face,
+                                        edgecolor="#555555", lw=0.8))
+
+    queue(7.4, "send queue (at most tx_size posted)", 5, COLORS["send"])
+    queue(5.2, "receive queue (receives posted ahead of time)", 8, COLORS["recv"])
+    queue(3.0, "completion queue", 3, "#7dcea0")
+    _arrow(ax, (5.3, 7.9), (7.5, 7.8))
+    ax.text(6.4, 8.35, "post send / write\n(returns at once)", fontsize=7, ha="center", va="bottom")
+    _arrow(ax, (5.3, 6.7), (7.5, 5.6))
+    ax.text(6.55, 5.75, "post receive\nbefore data\narrives", fontsize=7, ha="right", va="top")
+    _arrow(ax, (13.3, 7.8), (15.4, 7.0))
+    _arrow(ax, (13.3, 5.6), (15.4, 5.2))
+    _arrow(ax, (15.4, 3.2), (13.3, 3.4))
+    ax.text(15.2, 2.75, "one entry per\nfinished operation,\nin any order", fontsize=7, ha="right", va="top")
+    _arrow(ax, (7.5, 3.35), (2.8, 6.2), connection="arc3,rad=-0.2")
+    ax.text(0.3, 4.3, "poll (fi_cq_read): each entry\ncarries the context that was\nposted with the operation",
+            fontsize=7, ha="left", va="center")
+    _arrow(ax, (16.2, 2.4), (13.4, 1.0), color=COLORS["data"], width=2, style="<|-|>")
+    ax.text(16.0, 1.2, "the NIC reads and writes\nthese buffers itself (DMA)", color=COLORS["data"], fontsize=7,
+            ha="left", va="center")
+    ax.text(15.4, 9.0, "queue full? the post returns -FI_EAGAIN:\nkeep the work in your own list, poll, retry",
+            fontsize=7, color="#a93226", ha="left", va="center")
+    return fig
+
+
+# ---------------------------------------------------------------------------------------- chapter 3
+
+#: The libfabric calls that create each kind of object in fabriclab.fi.
+CREATED_BY = {
+    "Fabric": "fi_fabric", "Domain": "fi_domain", "CompletionQueue": "fi_cq_open", "AddressVector": "fi_av_open",
+    "Endpoint": "fi_endpoint, fi_ep_bind, fi_enable", "MemoryRegion": "fi_mr_regattr",
+}
+
+
+def _tree_nodes(tree: Sequence[tuple[int, str]]) -> list[dict]:
+    """Nodes with parent/children indices from describe_tree's (depth, label) pairs (pre-order)."""
+    nodes, stack = [], []
+    for depth, text in tree:
+        node = {"label": text, "depth": depth, "children": [], "parent": None}
+        while stack and nodes[stack[-1]]["depth"] >= depth:
+            stack.pop()
+        if stack:
+            node["parent"] = stack[-1]
+            nodes[stack[-1]]["children"].append(len(nodes))
+        nodes.append(node)
+        stack.append(len(nodes) - 1)
+    return nodes
+
+
+def object_tree(tree: Sequence[tuple[int, str]], title: str | None = None) -> Figure:
+    """Draw a live resource tree (``fi.describe_tree(stack.fabric)``): each object with the call that
+    made it; dashed lines show what the endpoint is bound to."""
+    nodes = _tree_nodes(tree)
+    if not nodes:
+        raise ValueError("empty tree")
+    leaf = [0]
+
+    def place(i):
+        kids = nodes[i]["children"]
+        if not kids:
+            nodes[i]["x"] = leaf[0]
+            leaf[0] += 1
+        else:
+            for k in kids:
+                place(k)
+            nodes[i]["x"] = sum(nodes[k]["x"] for k in kids) / len(kids)
+
+    for i, n in enumerate(nodes):
+        if n["parent"] is None:
+            place(i)
+    width = max(leaf[0], 1)
+    depth = max(n["depth"] for n in nodes) + 1
+    fig = _figure(max(6.0, 2.2 * width), 1.2 * depth + 0.9)
+    ax = _canvas(fig, xlim=(-0.6, width - 0.4), ylim=(-depth - 0.25, 0.45))
+    bw, bh = 0.92, 0.62
+    for n in nodes:
+        n["y"] = -n["depth"]
+    for n in nodes:
+        if n["parent"] is not None:
+            p = nodes[n["parent"]]
+            ax.plot([p["x"], p["x"], n["x"], n["x"]], [p["y"] - bh / 2, p["y"] - 0.5, p["y"] - 0.5, n["y"] + bh / 2],
+                    color="#555555", lw=1, zorder=1)
+    colors = {"Fabric": COLORS["nic"], "Domain": COLORS["kernel"], "Endpoint": COLORS["app"]}
+    for n in nodes:
+        kind, _, rest = n["label"].partition(" ")
+        text = kind + (f"\n{rest}" if rest else "")
+        call = CREATED_BY.get(kind)
+        _box(ax, n["x"] - bw / 2, n["y"] - bh / 2, bw, bh, "", colors.get(kind, COLORS["user"]))
+        ax.text(n["x"], n["y"] + bh / 2 - 0.08, text, ha="center", va="top", fontsize=8)
+        if call:
+            ax.text(n["x"], n["y"] - bh / 2 + 0.06, call.replace(", ", "\n") if len(call) > 20 else call,
+                    ha="center", va="bottom", fontsize=6, color="#1f4e79", family="monospace")
+    # fi_ep_bind: the endpoint uses its sibling completion queue and address vector (arcs below the row).
+    for n in nodes:
+        if n["label"].startswith("Endpoint") and n["parent"] is not None:
+            for k in nodes[n["parent"]]["children"]:
+                other = nodes[k]
+                if other["label"].startswith(("CompletionQueue", "AddressVector")):
+                    y = n["y"] - bh / 2 - 0.04
+                    rad = -0.25 if other["x"] < n["x"] else 0.25
+                    ax.annotate("", xy=(other["x"], y), xytext=(n["x"], y),
+                                arrowprops=dict(arrowstyle="-|>", color=COLORS["recv"], lw=1, ls="--",
+                                                connectionstyle=f"arc3,rad={rad}", shrinkA=0, shrinkB=0))
+            if any(nodes[k]["label"].startswith(("CompletionQueue", "AddressVector"))
+                   for k in nodes[n["parent"]]["children"]):
+                ax.text(n["x"] - 0.5, n["y"] - bh / 2 - 0.62, "bound to (fi_ep_bind)", fontsize=7,
+                        color=COLORS["recv"], ha="right", va="center")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
+
+
+def bandwidth(sizes: Sequence[int], rates: Sequence[float], label: str = "measured here",
+              reference_gbps: float | None = None, reference_label: str = "") -> Figure:
+    """Gbps against message size (``rates`` in bytes per second), optionally with a reference line."""
+    fig = _figure(7, 3.2)
+    ax = fig.add_axes((0.1, 0.17, 0.86, 0.72))
+    gbps = [r * 8 / 1e9 for r in rates]
+    ax.plot(sizes, gbps, marker="o", color=COLORS["send"], label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(sizes))
+    ax.set_xticklabels([_size(s) for s in sizes], fontsize=8)
+    ax.set_xlabel("message size", fontsize=8)
+    ax.set_ylabel("Gbps", fontsize=8)
+    ax.tick_params(axis="y", labelsize=8)
+    if reference_gbps:
+        ax.axhline(reference_gbps, color="black", ls="--", lw=1, label=reference_label or f"{reference_gbps:g} Gbps")
+    ax.set_ylim(0, max(gbps + [reference_gbps or 0]) * 1.15)
+    ax.grid(color=COLORS["grid"])
+    ax.legend(fontsize=8, loc="lower right")
+    return fig
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+# ---------------------------------------------------------------------------------------- chapter 4
+
+
+def timeline(ops, title: str | None = None, unit: float = 1e-6, polls=None) -> Figure:
+    """One lane per operation (a ``lesson.Trace`` or a list of ``lesson.Op``): a thick bar while the post
+    call ran, a thin line while the operation was the provider's, a dot when its completion was read.
+    A last lane shows the polls that returned completions (``polls``, taken from the trace by default)."""
+    if polls is None:
+        polls = getattr(ops, "polls", [])
+    ops = ops.rows() if hasattr(ops, "rows") else sorted(ops, key=lambda op: op.posted)
+    if not ops:
+        raise ValueError("no operations to draw")
+    t0 = min(op.posted for op in ops)
+    lanes = len(ops) + (1 if polls else 0)
+    height = 0.42 * lanes + 1.2
+    fig = _figure(9, height)
+    ax = fig.add_axes((0.25, 0.75 / height, 0.72, 1 - 1.15 / height))
+    for i, op in enumerate(ops):
+        y = lanes - 1 - i
+        color = COLORS.get(op.kind, "#555555")
+        start, back = (op.posted - t0) / unit, (op.returned - t0) / unit
+        ax.plot([start, max(back, start)], [y, y], color=color, lw=7, solid_capstyle="butt")
+        if op.completed is not None:
+            done = (op.completed - t0) / unit
+            ax.plot([back, done], [y, y], color=color, lw=1.2)
+            ax.plot([done], [y], marker="o", color=color, ms=6)
+    labels = [f"{op.side}: {op.kind} {_size(op.length)}" for op in ops]
+    if polls:
+        ax.broken_barh([((a - t0) / unit, max((b - a) / unit, 0.0)) for a, b, _ in polls], (-0.3, 0.6),
+                       facecolors=COLORS["control"])
+        labels.append("polls that found completions")
+    ax.set_yticks(range(lanes))
+    ax.set_yticklabels(list(reversed(labels)), fontsize=8)
+    ax.set_xlabel("microseconds since the first post" if unit == 1e-6 else f"time (units of {unit:g} s)", fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", color=COLORS["grid"])
+    ax.set_ylim(-0.7, lanes - 0.3)
+    handles = [ax.plot([], [], color="#555555", lw=7)[0], ax.plot([], [], color="#555555", lw=1.2)[0],
+               ax.plot([], [], color="#555555", marker="o", ls="")[0]]
+    ax.legend(handles, ["post call", "in the provider's hands", "completion read"], fontsize=7, ncol=3,
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10, pad=22)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------- chapter 5
+
+
+def message_sequence(in_flight: int = 3) -> Figure:
+    """Chapter 5's conversation: the client introduces itself, then requests and replies flow both ways."""
+    fig = _figure(9, 5.6)
+    ax = _canvas(fig, xlim=(0, 20), ylim=(0.3, 12))
+    cx, sx = 5.5, 14.5
+    for x, name in ((cx, "client"), (sx, "server")):
+        _box(ax, x - 1.6, 10.9, 3.2, 0.9, name, COLORS["app"], weight="bold")
+        ax.plot([x, x], [0.6, 10.9], color="#555555", lw=1)
+
+    def note(x, y, text, side):
+        ax.text(x + (0.3 if side == "right" else -0.3), y, text, fontsize=7, color="#555555",
+                ha="left" if side == "right" else "right", va="center")
+
+    def message(y, left_to_right, text, color, dashed=False, label_at="middle"):
+        a, b = (cx, sx) if left_to_right else (sx, cx)
+        _arrow(ax, (a, y), (b, y - 0.5), color=color, dashed=dashed)
+        if label_at == "middle":
+            ax.text((cx + sx) / 2, y + 0.02, text, fontsize=8, ha="center", va="bottom", color=color)
+        else:  # near the sender's end, where arrows drawn close together do not overlap it
+            x = a + (0.4 if left_to_right else -0.4)
+            ax.text(x, y + 0.02, text, fontsize=7.5, ha="left" if left_to_right else "right", va="bottom",
+                    color=color)
+
+    note(sx, 10.4, "prints its address\n(one hex line)", "right")
+    message(10.1, False, "the address, carried out of band (launcher, ssh, copy and paste)", COLORS["control"],
+            dashed=True)
+    note(cx, 9.6, "fi_av_insert(server)", "left")
+    message(9.0, True, "HELLO, carrying the client's own address", COLORS["send"])
+    note(sx, 8.5, "fi_av_insert(client),\nnew client id", "right")
+    message(7.9, False, "WELCOME, carrying the client id", COLORS["recv"])
+    y = 6.9
+    for i in range(in_flight):
+        message(y, True, f"REQUEST {i + 1}", COLORS["send"], label_at="start")
+        y -= 0.65
+    note(sx, 5.9, f"{in_flight} requests outstanding:\nthe client's window\n(`in_flight` slots)", "right")
+    y -= 0.2
+    for i in range(in_flight):
+        message(y, False, f"REPLY {i + 1} (the payload echoed)", COLORS["recv"], label_at="start")
+        y -= 0.65
+    note(cx, 3.4, "each receive slot is\nposted again once\nits message is read", "left")
+    message(y - 0.3, True, "BYE", COLORS["send"])
+    note(sx, y - 0.8, "fi_av_remove(client)", "right")
+    return fig
+
+
+def round_trips(samples: Mapping[str, Iterable[float]], unit: float = 1e-6, title: str | None = None) -> Figure:
+    """Cumulative distribution of round-trip times (seconds), one line per label."""
+    fig = _figure(7, 3.2)
+    ax = fig.add_axes((0.1, 0.17, 0.86, 0.72))
+    for i, (name, values) in enumerate(samples.items()):
+        xs = sorted(v / unit for v in values)
+        if not xs:
+            continue
+        ys = [(k + 1) / len(xs) for k in range(len(xs))]
+        ax.step(xs, ys, where="post", label=name, color=[COLORS["recv"], COLORS["send"], COLORS["write"]][i % 3])
+    ax.set_xscale("log")  # a few slow outliers (a descheduled process) would squash a linear axis
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("microseconds (log scale)" if unit == 1e-6 else f"units of {unit:g} s (log scale)", fontsize=8)
+    ax.set_ylabel("fraction of requests", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.set_ylim(0, 1.02)
+    ax.grid(color=COLORS["grid"])
+    ax.legend(fontsize=8, loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=10)
+    return fig
