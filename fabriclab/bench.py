@@ -9,6 +9,7 @@ rate" that means something.
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import threading
 import time
@@ -65,6 +66,8 @@ class BenchConfig:
     batch: int = batched.DEFAULT_BATCH
     lazy: bool = True
     fi_more: bool = False
+    server_domain: str | None = None  # the target's domains when they differ (two namespaces or hosts)
+    server_launcher: str = ""  # command prefix for the target, e.g. "ip netns exec fabriclab-a"
 
     def writer_options(self) -> dict:
         """Constructor options of this stage's writer (each stage takes its own and its ancestors')."""
@@ -195,19 +198,26 @@ class Bench:
     Reuse one Bench for a sweep: the server and endpoints stay up between runs."""
 
     def __init__(self, provider: str | None = None, domain: str | None = None, memory_kind: str = "host",
-                 timeout: float = 30.0, launcher=(), echo: bool = False):
+                 timeout: float = 30.0, launcher=(), echo: bool = False, server_domain: str | None = None):
         self.provider = provider or fi.default_provider()
         self.domain = domain
         self.memory = memory_kind
         self.timeout = timeout
         args = ["--provider", self.provider, "--memory", memory_kind, "--timeout", str(timeout)]
-        if domain:
-            args += ["--domain", domain]
+        if server_domain or domain:
+            args += ["--domain", server_domain or domain]
+        if isinstance(launcher, str):
+            launcher = shlex.split(launcher)
         self.server = ServerProcess(TARGET_MODULE, args, launcher=launcher, echo=echo)
         # One writer per stage, each on its own endpoint (a writer owns its completion queue), made anew
         # when its options change.
         self._writers: dict[str, tuple[dict, rdma_write.Writer]] = {}
         self._memcpy: dict[tuple, float] = {}
+
+    @classmethod
+    def for_config(cls, config: BenchConfig) -> "Bench":
+        return cls(config.provider, config.domain, config.memory, config.timeout, config.server_launcher,
+                   server_domain=config.server_domain)
 
     def _writer(self, config: BenchConfig) -> rdma_write.Writer:
         options = config.writer_options()
@@ -284,7 +294,7 @@ def run(config: BenchConfig | None = None, progress: bool = False, **kw) -> Benc
     """One benchmark run with its own target server: ``run(page_size=1 << 20, total=1 << 30)``."""
     config = config or BenchConfig(**kw)
     config.check()
-    with Bench(config.provider, config.domain, config.memory, config.timeout) as bench:
+    with Bench.for_config(config) as bench:
         return bench.run(config, progress)
 
 
@@ -293,7 +303,7 @@ def sweep(page_sizes, in_flights, **kw) -> list[BenchResult]:
     base = BenchConfig(**kw)
     base.check()
     out = []
-    with Bench(base.provider, base.domain, base.memory, base.timeout) as bench:
+    with Bench.for_config(base) as bench:
         for page in page_sizes:
             for depth in in_flights:
                 out.append(bench.run(BenchConfig(**{**asdict(base), "page_size": page, "in_flight": depth})))
@@ -306,7 +316,7 @@ def progression(chapters=None, **kw) -> list[BenchResult]:
     base = BenchConfig(**kw)
     base.check()
     out = []
-    with Bench(base.provider, base.domain, base.memory, base.timeout) as bench:
+    with Bench.for_config(base) as bench:
         for chapter, what, stage, overrides in PROGRESSION:
             if chapters is not None and chapter not in chapters:
                 continue
@@ -340,6 +350,10 @@ def add_arguments(p) -> None:
     engine.add_argument("--batch", type=int, default=batched.DEFAULT_BATCH, help="writes per pass (default 16)")
     engine.add_argument("--no-lazy", dest="lazy", action="store_false", help="post on every enqueue")
     engine.add_argument("--fi-more", action="store_true", help="FI_MORE on all but the last write of a run")
+    p.add_argument("--server-domain", default=None,
+                   help="the target's domains when they differ from --domain (e.g. the other namespace's links)")
+    p.add_argument("--server-launcher", default="",
+                   help='command prefix that starts the target, e.g. "ip netns exec fabriclab-a"')
     p.add_argument("--json", action="store_true", help="print one JSON object per result, the last on the last line")
 
 
@@ -347,7 +361,8 @@ def config_from_args(args) -> BenchConfig:
     return BenchConfig(stage=args.stage, provider=args.provider, domain=args.domain, page_size=args.page_size,
                        total=args.total, in_flight=args.in_flight, memory=args.memory, warmup=args.warmup,
                        verify=args.verify, timeout=args.timeout, nics=args.nics, threads=args.threads, pin=args.pin,
-                       shard=args.shard, pad=args.pad, batch=args.batch, lazy=args.lazy, fi_more=args.fi_more)
+                       shard=args.shard, pad=args.pad, batch=args.batch, lazy=args.lazy, fi_more=args.fi_more,
+                       server_domain=args.server_domain, server_launcher=args.server_launcher)
 
 
 def print_results(results: list[BenchResult], as_json: bool) -> None:
