@@ -182,20 +182,46 @@ class NativeEngine:
         return self._ptr.nics[index]
 
     def run(self, call, *args, timeout: float) -> None:
-        """Run a blocking engine call (the GIL is released inside it) in a thread; raise on its error."""
+        """Run a blocking engine call (the GIL is released inside it) in a thread; raise on its error.
+        However the wait ends (Ctrl-C included, even during the thread's start), the engine is told to
+        stop and its threads are joined before this returns, so it is never freed under them."""
         result = {}
-        worker = threading.Thread(target=lambda: result.setdefault("rc", call(self._ptr, *args)), daemon=True)
-        worker.start()
+        launched, finished = threading.Event(), threading.Event()
+
+        def body():
+            launched.set()
+            try:
+                result["rc"] = call(self._ptr, *args)
+            finally:
+                finished.set()
+
+        self._ptr.stop = 0
+        self._running = (launched, finished)
         try:
-            while worker.is_alive():
-                worker.join(0.05)
-        except KeyboardInterrupt:
-            self._ptr.stop = 1
-            worker.join(timeout + 5)
-            raise
+            threading.Thread(target=body, daemon=True).start()
+            while not finished.wait(0.05):
+                pass
+        finally:
+            self._join_worker()
         if result.get("rc", -1) != 0:
             raise fi.FabricError("fabriclab engine", result.get("rc", -lib.FI_EIO),
                                  message=f"engine: {ffi.string(self._ptr.error).decode(errors='replace')}")
+
+    def _join_worker(self) -> None:
+        running = getattr(self, "_running", None)
+        if running is None:
+            return
+        launched, finished = running
+        if not launched.wait(1.0):
+            self._running = None  # the thread never came to life
+            return
+        while not finished.is_set():
+            self._ptr.stop = 1
+            try:
+                finished.wait(0.1)
+            except KeyboardInterrupt:
+                pass  # already stopping
+        self._running = None
 
     def counters(self) -> list[dict]:
         out = []
@@ -209,6 +235,7 @@ class NativeEngine:
 
     def close(self) -> None:
         if self._ptr is not None and self._ptr != ffi.NULL:
+            self._join_worker()
             lib.fl_engine_free(self._ptr)
         self._ptr = None
 
@@ -249,6 +276,7 @@ class MultiNicTarget(rdma_write.Target):
             self.engine.set_peer(slot.index, dest, fi.RemoteRegion(0, 0, 0))
         self.counts = np.zeros(plan.pages, dtype=np.uint32)
         e = self.engine._ptr
+        e.stop = 0
         e.page_counts = ffi.cast("uint32_t *", self.counts.ctypes.data)
         e.pages = plan.pages
         e.expected_arrivals = 2 ** 64 - 1

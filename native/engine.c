@@ -396,7 +396,6 @@ out:
 
 int fl_write_run(fl_engine *e, const fl_config *cfg) {
     engine_state *st = e->state;
-    e->stop = 0;
     e->error_code = 0;
     e->error[0] = 0;
     if (cfg->threads <= 0 || cfg->threads > FL_MAX_THREADS || cfg->groups <= 0 || cfg->groups < cfg->threads ||
@@ -559,7 +558,6 @@ static void *target_thread(void *arg) {
 }
 
 int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s) {
-    e->stop = 0;
     e->error_code = 0;
     e->error[0] = 0;
     if (threads <= 0 || threads > FL_MAX_THREADS || !e->page_counts) {

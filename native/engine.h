@@ -55,7 +55,8 @@ typedef struct fl_config {
 typedef struct fl_engine {
     int nnics;
     fl_nic *nics;
-    volatile int stop;                 /* set by Python (interrupt) or by a thread that failed */
+    volatile int stop;                 /* set by Python (interrupt) or by a failing thread; cleared only by
+                                        * the caller before a run, so a stop asked for early still holds */
     int error_code;                    /* negative libfabric/errno code of the first failure, or 0 */
     char error[FL_ERROR_LEN];
     double elapsed_s;                  /* timed part of the last run */
