@@ -79,6 +79,8 @@ uint64_t fl_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+static inline int stopping(const fl_engine *e) { return __atomic_load_n(&e->stop, __ATOMIC_RELAXED); }
+
 static void fail(fl_engine *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void fail(fl_engine *e, int code, const char *fmt, ...) {
     int expected = 0;
@@ -88,7 +90,7 @@ static void fail(fl_engine *e, int code, const char *fmt, ...) {
         vsnprintf(e->error, FL_ERROR_LEN, fmt, ap);
         va_end(ap);
     }
-    e->stop = 1;
+    __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
 }
 
 fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity) {
@@ -265,7 +267,7 @@ static int flush_more(thread_ctx *t, int nic_index) {
             n->more_flushes++;
             return 0;
         }
-        if (rc < 0 || t->e->stop) return -1;
+        if (rc < 0 || stopping(t->e)) return -1;
         int got = poll_nic(t, nic_index);
         if (got < 0) return -1;
         if (got > 0) t->last_progress_ns = fl_now_ns();
@@ -319,7 +321,7 @@ static int warm_up(thread_ctx *t) {
             uint32_t page = (uint32_t)g->id % t->pages;
             int rc;
             while ((rc = post_write(t, nic, page, 0)) == 1) {
-                if (poll_nic(t, nic) < 0 || t->e->stop) return -1;
+                if (poll_nic(t, nic) < 0 || stopping(t->e)) return -1;
             }
             if (rc < 0) return -1;
         }
@@ -331,7 +333,7 @@ static int warm_up(thread_ctx *t) {
             int nic = g->nics[k];
             while (t->e->nics[nic].in_flight > 0) {
                 int got = poll_nic(t, nic);
-                if (got < 0 || t->e->stop) return -1;
+                if (got < 0 || stopping(t->e)) return -1;
                 if (got > 0) t->last_progress_ns = fl_now_ns();
                 else if (check_timeout(t, nic)) return -1;
             }
@@ -352,13 +354,13 @@ static void *writer_thread(void *arg) {
         int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
         if (rc) fail(e, -rc, "thread %d: cannot pin to core %d: %s", t->id, cfg->cores[t->id], strerror(rc));
     }
-    if (!e->stop && cfg->warmup && warm_up(t) < 0) e->stop = 1;
+    if (!stopping(e) && cfg->warmup && warm_up(t) < 0) __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
     pthread_barrier_wait(&st->start_line);
     t->timed = 1;
     st->start_ns[t->id] = fl_now_ns();
     t->last_progress_ns = st->start_ns[t->id];
     uint64_t passes = 0;
-    while (!e->stop && !done(t)) {
+    while (!stopping(e) && !done(t)) {
         int progressed = 0;
         for (int i = 0; i < t->ngroups; i++) {
             group *g = &t->groups[i];
@@ -514,7 +516,7 @@ static void *target_thread(void *arg) {
     struct fi_cq_data_entry entries[CQ_BATCH];
     uint64_t last_arrival = fl_now_ns();
     uint64_t passes = 0;
-    while (!e->stop) {
+    while (!stopping(e)) {
         int got_any = 0;
         for (int i = t->id; i < e->nnics; i += t->threads) {
             fl_nic *n = &e->nics[i];
