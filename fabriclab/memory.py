@@ -139,6 +139,7 @@ class Registration:
     path: str
     staging: HostBuffer | None = None
     why: str = ""
+    owns_staging: bool = True
 
     def before_send(self, offset: int, length: int) -> None:
         """Make [offset, offset+length) visible to the NIC before it is written out."""
@@ -150,14 +151,25 @@ class Registration:
         if self.staging is not None:
             self.buffer.copy_from(self.staging, offset, length)
 
+    def staging_hooks(self, outbound: bool) -> dict:
+        """What the native engine needs to stage pages itself: the CUDA driver's copy function for this
+        direction (device→host before sending, host→device on arrival), cuCtxSetCurrent and the context."""
+        cuda = ctypes.CDLL("libcuda.so.1")
+        copy = cuda.cuMemcpyDtoH_v2 if outbound else cuda.cuMemcpyHtoD_v2
+        return {"device": self.buffer.pointer, "host": self.staging.pointer,
+                "copy": ctypes.cast(copy, ctypes.c_void_p).value,
+                "set_context": ctypes.cast(cuda.cuCtxSetCurrent, ctypes.c_void_p).value,
+                "context": int(self.buffer.cuda.context)}
+
     def close(self) -> None:
         self.mr.close()
-        if self.staging is not None:
+        if self.staging is not None and self.owns_staging:
             self.staging.close()
 
 
-def register(stack: fi.EndpointStack, buffer) -> Registration:
-    """Register a HostBuffer or CudaBuffer with the endpoint's domain (see module docstring)."""
+def register(stack: fi.EndpointStack, buffer, staging: HostBuffer | None = None) -> Registration:
+    """Register a HostBuffer or CudaBuffer with the endpoint's domain (see module docstring). A staged
+    buffer registered on several domains passes the first registration's ``staging`` copy to the others."""
     if buffer.kind == "host":
         return Registration(buffer, stack.register(buffer.array), "host")
     why = f"provider {stack.info.provider} does not offer FI_HMEM"
@@ -168,8 +180,9 @@ def register(stack: fi.EndpointStack, buffer) -> Registration:
             return Registration(buffer, mr, "cuda-direct")
         except fi.FabricError as exc:
             why = f"FI_HMEM registration failed: {exc}"
-    staging = PinnedBuffer(buffer.length, buffer.device)
-    return Registration(buffer, stack.register(staging.array), "cuda-staged", staging, why)
+    owns = staging is None
+    staging = staging or PinnedBuffer(buffer.length, buffer.device)
+    return Registration(buffer, stack.register(staging.array), "cuda-staged", staging, why, owns)
 
 
 def open_endpoint(provider: str | None, domain: str | None, memory: str) -> fi.EndpointStack:

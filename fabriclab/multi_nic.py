@@ -109,7 +109,7 @@ class NicSet:
             reg = None if bind else per_domain.get(slot.domain_name)
             if reg is None:
                 stack = _SlotStack(self.domains[slot.domain_name], slot.ep)
-                reg = memory.register(stack, buffer)
+                reg = memory.register(stack, buffer, staging=out[0].staging if out else None)
                 per_domain.setdefault(slot.domain_name, reg)
             out.append(reg)
         return out
@@ -171,6 +171,17 @@ class NativeEngine:
             n.cq = slot.cq._ptr
             n.desc = reg.mr.desc
             n.max_in_flight = max(1, slot.info.tx_size)
+
+    def use_staging(self, registration: memory.Registration, outbound: bool) -> None:
+        """Have the C threads copy each page between the GPU and the registered pinned copy."""
+        if registration.staging is None:
+            return
+        hooks = registration.staging_hooks(outbound)
+        e = self._ptr
+        e.stage_device_base, e.stage_host_base = hooks["device"], hooks["host"]
+        e.stage_copy = ffi.cast("int (*)(uint64_t, uint64_t, size_t)", hooks["copy"])
+        e.stage_set_context = ffi.cast("int (*)(void *)", hooks["set_context"])
+        e.stage_context = ffi.cast("void *", hooks["context"])
 
     def set_peer(self, index: int, dest: int, remote: fi.RemoteRegion) -> None:
         n = self._ptr.nics[index]
@@ -266,11 +277,8 @@ class MultiNicTarget(rdma_write.Target):
         self.buffer.write(np.zeros(plan.buffer_bytes, np.uint8))
         self.nicset = NicSet(self.provider, request["nics"], self.domains, request["memory"])
         self.registrations = self.nicset.register(self.buffer)
-        for reg in unique_registrations(self.registrations):
-            if reg.staging is not None:
-                raise fi.UsageError("the native engine needs memory the NIC can reach directly; this provider "
-                                    f"would stage GPU memory ({reg.why}): use --memory host or the opqueue stage")
         self.engine = NativeEngine(self.nicset, self.registrations)
+        self.engine.use_staging(self.registrations[0], outbound=False)
         for slot, address in zip(self.nicset.slots, request["addresses"]):
             dest = slot.av.insert(fi.Address.parse(address))
             self.engine.set_peer(slot.index, dest, fi.RemoteRegion(0, 0, 0))
@@ -279,6 +287,7 @@ class MultiNicTarget(rdma_write.Target):
         e.stop = 0
         e.page_counts = ffi.cast("uint32_t *", self.counts.ctypes.data)
         e.pages = plan.pages
+        e.target_page_size, e.target_buffer_bytes = plan.page_size, plan.buffer_bytes
         e.expected_arrivals = 2 ** 64 - 1
         e.arrivals = 0
         threads = max(1, min(request.get("target_threads", 1), len(self.nicset.slots)))
@@ -411,11 +420,8 @@ class MultiNicWriter(Writer):
         self.source = memory.allocate(memory_kind, plan.buffer_bytes)
         self.source.write(rdma_write.source_data(seed, plan.buffer_bytes))
         self.registrations = self.nicset.register(self.source)
-        for reg in unique_registrations(self.registrations):
-            if reg.staging is not None:
-                raise fi.UsageError("the native engine needs memory the NIC can reach directly; this provider "
-                                    f"would stage GPU memory ({reg.why}): use --memory host or the opqueue stage")
         self.engine = NativeEngine(self.nicset, self.registrations)
+        self.engine.use_staging(self.registrations[0], outbound=True)
         for slot, remote in zip(self.nicset.slots, reply["slots"]):
             region = fi.RemoteRegion.unpack(bytes.fromhex(remote["region"]))
             if region.length < plan.buffer_bytes:
@@ -441,7 +447,8 @@ class MultiNicWriter(Writer):
         cfg.total_writes = writes
         cfg.page_size = self.plan.page_size
         cfg.buffer_bytes = self.plan.buffer_bytes
-        cfg.local_base = self.source.pointer
+        staging = self.registrations[0].staging
+        cfg.local_base = (staging or self.source).pointer  # what the NIC reads: the pinned copy when staged
         cfg.timeout_s = self.timeout
         return cfg
 

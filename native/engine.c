@@ -300,11 +300,25 @@ static int progress_pending(thread_ctx *t, int nic_index) {
     return 0;
 }
 
-static inline int enqueue(fl_nic *n, uint32_t page) {
-    if (n->ring_tail - n->ring_head >= n->ring_capacity) return 0;
+/* Bind this thread to the CUDA context when memory is staged (a no-op otherwise). */
+static int staging_thread_setup(fl_engine *e) {
+    if (!e->stage_device_base) return 0;
+    int rc = e->stage_set_context(e->stage_context);
+    if (rc) fail(e, -FI_EIO, "cuCtxSetCurrent failed with CUDA error %d", rc);
+    return rc;
+}
+
+static int stage_page(fl_engine *e, uint64_t dst_base, uint64_t src_base, uint64_t off, uint64_t len) {
+    int rc = e->stage_copy(dst_base + off, src_base + off, len);
+    if (rc) fail(e, -FI_EIO, "staging copy of %llu bytes failed with CUDA error %d", (unsigned long long)len, rc);
+    return rc;
+}
+
+static inline int ring_full(const fl_nic *n) { return n->ring_tail - n->ring_head >= n->ring_capacity; }
+
+static inline void enqueue(fl_nic *n, uint32_t page) {
     n->ring[n->ring_tail % n->ring_capacity] = page;
     n->ring_tail++;
-    return 1;
 }
 
 /* Chapters 11-12 ask the shared counter; from chapter 13 each thread only looks at its own work. */
@@ -319,6 +333,9 @@ static int warm_up(thread_ctx *t) {
         for (int k = 0; k < g->nnics; k++) {
             int nic = g->nics[k];
             uint32_t page = (uint32_t)g->id % t->pages;
+            if (t->e->stage_device_base && stage_page(t->e, t->e->stage_host_base, t->e->stage_device_base,
+                                                      (uint64_t)page * t->cfg->page_size, page_length(t->cfg, page)))
+                return -1;
             int rc;
             while ((rc = post_write(t, nic, page, 0)) == 1) {
                 if (poll_nic(t, nic) < 0 || stopping(t->e)) return -1;
@@ -354,6 +371,7 @@ static void *writer_thread(void *arg) {
         int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
         if (rc) fail(e, -rc, "thread %d: cannot pin to core %d: %s", t->id, cfg->cores[t->id], strerror(rc));
     }
+    if (staging_thread_setup(e)) __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
     if (!stopping(e) && cfg->warmup && warm_up(t) < 0) __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
     pthread_barrier_wait(&st->start_line);
     t->timed = 1;
@@ -374,7 +392,11 @@ static void *writer_thread(void *arg) {
             for (int b = 0; b < cfg->batch && g->issued < g->quota; b++) {
                 int nic = g->nics[g->rr++ % (uint32_t)g->nnics];
                 uint32_t page = (uint32_t)((g->id + g->issued * (uint64_t)cfg->groups) % t->pages);
-                if (!enqueue(&e->nics[nic], page)) break;
+                if (ring_full(&e->nics[nic])) break;
+                if (e->stage_device_base && stage_page(e, e->stage_host_base, e->stage_device_base,
+                                                       (uint64_t)page * cfg->page_size, page_length(cfg, page)))
+                    goto out;
+                enqueue(&e->nics[nic], page);
                 g->issued++;
                 /* before chapter 15 every enqueue also tries to post; lazy posting leaves that to the
                  * completion loop above */
@@ -514,6 +536,7 @@ static void *target_thread(void *arg) {
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
     struct fi_cq_data_entry entries[CQ_BATCH];
+    if (staging_thread_setup(e)) return NULL;
     uint64_t last_arrival = fl_now_ns();
     uint64_t passes = 0;
     while (!stopping(e)) {
@@ -540,7 +563,15 @@ static void *target_thread(void *arg) {
             for (ssize_t k = 0; k < got; k++) {
                 if (!(entries[k].flags & FI_REMOTE_CQ_DATA)) continue;
                 uint64_t page = entries[k].data;
-                if (page < e->pages) __atomic_fetch_add(&e->page_counts[page], 1, __ATOMIC_RELAXED);
+                if (page < e->pages) {
+                    __atomic_fetch_add(&e->page_counts[page], 1, __ATOMIC_RELAXED);
+                    if (e->stage_device_base) {
+                        uint64_t off = page * e->target_page_size, rest = e->target_buffer_bytes - off;
+                        if (stage_page(e, e->stage_device_base, e->stage_host_base, off,
+                                       rest < e->target_page_size ? rest : e->target_page_size))
+                            return NULL;
+                    }
+                }
                 counted++;
             }
             n->arrivals += counted;

@@ -66,6 +66,15 @@ typedef struct fl_engine {
     uint64_t pages;
     volatile uint64_t expected_arrivals; /* the target stops once this many have landed */
     volatile uint64_t arrivals;        /* published total */
+    uint64_t target_page_size, target_buffer_bytes;
+    /* Staged GPU memory: the NIC sees a pinned host copy at stage_host_base; each page is copied from
+     * the GPU (stage_device_base) just before it is queued for writing, and to the GPU as it lands.
+     * stage_copy is cuMemcpyDtoH_v2 on a writer and cuMemcpyHtoD_v2 on a target (both take dst, src,
+     * bytes); stage_set_context is cuCtxSetCurrent, called once per engine thread. 0 = not staged. */
+    uint64_t stage_device_base, stage_host_base;
+    int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
+    int (*stage_set_context)(void *context);
+    void *stage_context;
     void *state;                       /* engine-private */
 } fl_engine;
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fabriclab import batched, fi, memory, multi_nic, rdma_write, threaded
+from fabriclab import batched, fi, gpu, memory, multi_nic, rdma_write, threaded
 from fabriclab.peers import start_server
 from conftest import open_fds, provider_args
 
@@ -154,3 +154,20 @@ def test_more_groups_than_nics_is_refused(target):
     finally:
         writer.close()
         writer.stack.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu.cuda_status() != "ok", reason=f"needs CUDA: {gpu.cuda_status()}")
+def test_engine_writes_gpu_memory_into_gpu_memory():
+    with start_server("fabriclab.multi_nic", "--provider", "shm", "--memory", "cuda") as server:
+        with memory.open_endpoint("shm", None, "cuda") as stack:
+            writer = batched.BatchedWriter(stack, server.address_hex, 10, nics=4, threads=2, warmup=False)
+            plan = rdma_write.PagePlan.for_total(65536, 16 << 20)
+            paths = writer.prepare(plan, "cuda")
+            print(f"engine GPU paths: {paths}")
+            assert paths["local"] in ("cuda-direct", "cuda-staged")
+            writer.transfer()
+            report = writer.finish()
+            assert report.verified is True and report.arrivals == plan.pages, report
+            writer.release()
+            writer.close()
