@@ -8,6 +8,7 @@ rate" that means something.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import sys
@@ -68,6 +69,7 @@ class BenchConfig:
     fi_more: bool = False
     server_domain: str | None = None  # the target's domains when they differ (two namespaces or hosts)
     server_launcher: str = ""  # command prefix for the target, e.g. "ip netns exec fabriclab-a"
+    line_rate_bps: float = 0.0  # the links' aggregate, when known (a shaped testbed, a NIC's speed)
 
     def writer_options(self) -> dict:
         """Constructor options of this stage's writer (each stage takes its own and its ancestors')."""
@@ -121,6 +123,7 @@ class BenchResult:
     nics: int = 1
     emulated_nics: int = 0
     threads: int = 1
+    landed_gbps: float = 0.0  # the same bytes over the time the target saw them land (first to last)
     paths: dict = field(default_factory=dict)
     per_nic: list = field(default_factory=list)
     label: str = ""
@@ -274,6 +277,7 @@ class Bench:
             cpu_ns_per_op=stats.cpu_ns_per_op, eagain=stats.eagain, verified=report.verified, landed=report.arrivals,
             memcpy_gbps=ceiling, ratio_to_memcpy=stats.gbps / ceiling if ceiling else 0.0,
             nics=getattr(stats, "nics", 1), emulated_nics=getattr(stats, "emulated_nics", 0), threads=threads,
+            landed_gbps=stats.bytes * 8 / report.landed_s / 1e9 if report.landed_s > 0 else 0.0,
             paths=paths, per_nic=getattr(stats, "per_nic", []), label=label)
 
     def close(self) -> None:
@@ -354,6 +358,8 @@ def add_arguments(p) -> None:
                    help="the target's domains when they differ from --domain (e.g. the other namespace's links)")
     p.add_argument("--server-launcher", default="",
                    help='command prefix that starts the target, e.g. "ip netns exec fabriclab-a"')
+    p.add_argument("--line-rate", type=parse_rate, default=0.0,
+                   help="the links' aggregate rate (e.g. 3.2G, 100mbit): prints the %% of it that landed")
     p.add_argument("--json", action="store_true", help="print one JSON object per result, the last on the last line")
 
 
@@ -362,12 +368,26 @@ def config_from_args(args) -> BenchConfig:
                        total=args.total, in_flight=args.in_flight, memory=args.memory, warmup=args.warmup,
                        verify=args.verify, timeout=args.timeout, nics=args.nics, threads=args.threads, pin=args.pin,
                        shard=args.shard, pad=args.pad, batch=args.batch, lazy=args.lazy, fi_more=args.fi_more,
-                       server_domain=args.server_domain, server_launcher=args.server_launcher)
+                       server_domain=args.server_domain, server_launcher=args.server_launcher,
+                       line_rate_bps=args.line_rate)
 
 
-def print_results(results: list[BenchResult], as_json: bool) -> None:
+def parse_rate(text: str) -> float:
+    """Bits per second from 3.2G, 100mbit, 800M, 1e9."""
+    t = text.strip().lower().removesuffix("bps").removesuffix("bit").removesuffix("b")
+    scale = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}.get(t[-1:], 1.0)
+    try:
+        return float(t[:-1] if scale != 1.0 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate (examples: 3.2G, 100mbit)") from None
+
+
+def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: float = 0.0) -> None:
     print(format_table(results))
     for r in results:
+        if line_rate_bps:
+            print(f"line rate {line_rate_bps / 1e9:g} Gbps: {r.label or r.stage} landed at {r.landed_gbps:.3f} Gbps = "
+                  f"{r.landed_gbps * 1e9 / line_rate_bps * 100:.1f} % of it (posted at {r.gbps:.3f} Gbps)")
         ceiling = (f"memcpy ceiling ({r.threads} thread{'s' if r.threads > 1 else ''}, same bytes): "
                    f"{r.memcpy_gbps:.2f} Gbps; {r.label or r.stage} ran at {r.ratio_to_memcpy * 100:.1f} % of it")
         print(ceiling)
@@ -391,5 +411,5 @@ def main(args) -> int:
         results = progression(**asdict(config))
     else:
         results = [run(config, progress=not args.json)]
-    print_results(results, args.json)
+    print_results(results, args.json, config.line_rate_bps)
     return 0 if all(r.verified in (True, None) for r in results) else 1

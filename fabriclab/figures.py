@@ -426,3 +426,308 @@ def round_trips(samples: Mapping[str, Iterable[float]], unit: float = 1e-6, titl
     if title:
         ax.set_title(title, fontsize=10)
     return fig
+
+
+# ------------------------------------------------------------------------------- chapters 9-16 (progression)
+
+#: The chapters of the multi-NIC progression in order; "13+" and "15+" are this project's extra steps
+#: (padded counter shards, FI_MORE), which the article does not have.
+PROGRESSION_ORDER = ("7", "9", "10", "11", "12", "13", "13+", "14", "15", "15+")
+ARTICLE_CHAPTERS = ("9", "10", "11", "12", "13", "14", "15")
+
+
+def _chapter_key(chapter) -> int:
+    text = str(chapter)
+    return PROGRESSION_ORDER.index(text) if text in PROGRESSION_ORDER else len(PROGRESSION_ORDER)
+
+
+def progression(measured: Mapping[str, float], article: Mapping[int, tuple[float, float]] | None = None,
+                current: str | None = None, chapters: Sequence[str] | None = None,
+                measured_label: str = "here: % of the memcpy ceiling",
+                article_label: str = "article (p5): % of its line rate",
+                title: str | None = None) -> Figure:
+    """The progression as two bars per chapter: the reader's measured percentage (``measured``, chapter
+    name such as "9" or "13+" → percent) beside the article's (``article``: chapter → (Gbps, line-rate
+    Gbps), by default ``tour.ARTICLE_GBPS``). Chapters shown: ``chapters``, else the article's 9-15 plus
+    every measured one, so a lesson's bars fill in from left to right as the course goes on. ``current``
+    (a chapter) is drawn in a stronger colour; extra steps the article lacks are labelled as such."""
+    from matplotlib.patches import Patch
+    if article is None:
+        from .tour import ARTICLE_GBPS as article
+    names = [str(c) for c in chapters] if chapters is not None else \
+        sorted(set(ARTICLE_CHAPTERS) | {str(c) for c in measured}, key=_chapter_key)
+    ref = {}
+    for name in names:
+        if name.isdigit() and int(name) in article:
+            gbps, line = article[int(name)]
+            ref[name] = 100.0 * gbps / line
+    fig = _figure(max(6.0, 0.85 * len(names) + 2.2), 3.6)
+    ax = fig.add_axes((0.09, 0.2, 0.89, 0.62))
+    width = 0.38
+    here_color, past_color, paper_color = COLORS["send"], "#f0b27a", "#5d6d7e"
+    top = max([100.0] + list(ref.values()) + [float(v) for v in measured.values()])
+    for i, name in enumerate(names):
+        if name in ref:
+            ax.bar(i - width / 2, ref[name], width, color=paper_color)
+            ax.text(i - width / 2, ref[name] + top * 0.01, f"{ref[name]:.1f}", ha="center", va="bottom",
+                    fontsize=7, color=paper_color)
+        else:
+            ax.text(i - width / 2, top * 0.02, "not in\nthe article", ha="center", va="bottom", fontsize=6,
+                    color="#999999", rotation=90)
+        if name in measured:
+            value = float(measured[name])
+            color = here_color if current is None or name == str(current) else past_color
+            ax.bar(i + width / 2, value, width, color=color, edgecolor="black" if name == str(current) else None,
+                   linewidth=0.8)
+            ax.text(i + width / 2, value + top * 0.01, f"{value:.1f}", ha="center", va="bottom", fontsize=7,
+                    color="black")
+        else:
+            ax.text(i + width / 2, top * 0.02, "later", ha="center", va="bottom", fontsize=6, color="#999999",
+                    rotation=90)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([f"ch {n}" for n in names], fontsize=8)
+    for label, name in zip(ax.get_xticklabels(), names):
+        if current is not None and name == str(current):
+            label.set_fontweight("bold")
+    ax.set_ylabel("percent", fontsize=8)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_ylim(0, top * 1.15)
+    ax.axhline(100, color="black", lw=0.8, ls="--")
+    ax.grid(axis="y", color=COLORS["grid"])
+    ax.set_axisbelow(True)
+    handles = [Patch(color=paper_color), Patch(color=here_color)]
+    ax.legend(handles, [article_label, measured_label], fontsize=7.5, ncol=2, loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10, pad=20)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------- chapter 6
+
+
+def one_sided_write(pages: int = 3) -> Figure:
+    """Chapter 6's conversation: control messages over the mailbox, then one-sided writes that land in the
+    target's registered memory, each carrying its page index as immediate data."""
+    fig = _figure(13, 6.6)
+    ax = _canvas(fig, xlim=(0, 26), ylim=(0, 13.2))
+    wx, mx, tx = 3.4, 10.0, 15.4
+    top, bottom = 11.8, 1.2
+    _box(ax, wx - 2.0, top, 4.0, 1.0, "writer\n(posts every write)", COLORS["app"], fontsize=8.5, weight="bold")
+    _box(ax, mx - 2.0, top, 4.0, 1.0, "target's registered\nmemory (pages)", COLORS["user"], fontsize=8.5,
+         weight="bold")
+    _box(ax, tx - 2.0, top, 4.0, 1.0, "target\n(CPU + completion queue)", COLORS["app"], fontsize=8.5, weight="bold")
+    ax.plot([wx, wx], [bottom, top], color="#555555", lw=1)
+    ax.plot([tx, tx], [bottom, top], color="#555555", lw=1)
+    ax.plot([mx, mx], [10.4, top], color="#555555", lw=1, ls=":")
+    ax.add_patch(FancyBboxPatch((mx - 0.35, bottom), 0.7, 10.4 - bottom, boxstyle="square,pad=0",
+                                facecolor=COLORS["user"], edgecolor="#555555", lw=0.8))
+
+    def control(y, to_target, text):
+        a, b = (wx, tx) if to_target else (tx, wx)
+        _arrow(ax, (a, y), (b, y - 0.35), color=COLORS["control"])
+        if to_target:
+            ax.text(wx + 0.3, y + 0.05, text, fontsize=7.5, ha="left", va="bottom", color="#333333")
+        else:
+            ax.text(tx - 0.3, y + 0.05, text, fontsize=7.5, ha="right", va="bottom", color="#333333")
+
+    def note(x, y, text, ha="left", color="#555555"):
+        ax.text(x, y, text, fontsize=7, color=color, ha=ha, va="center")
+
+    control(11.3, True, "PREPARE: page size, bytes, memory kind")
+    note(tx + 0.3, 10.75, "allocate the region,\nregister it (fi_mr_reg)")
+    control(10.3, False, "REGION: base, length, key + CRC32")
+    note(wx - 0.3, 9.75, "check the CRC,\nregister\nthe source", ha="right")
+    note(tx + 0.3, 9.55, "mailbox messages (chapter 5):\nsend and receive", color=COLORS["control"])
+    y = 9.0
+    for i in range(pages):
+        _arrow(ax, (wx, y), (mx - 0.35, y - 0.45), color=COLORS["write"], width=2.2)
+        ax.text(wx + 0.3, y + 0.05, f"fi_writemsg: page {i}, immediate data = {i}", fontsize=7.5,
+                ha="left", va="bottom", color=COLORS["write"])
+        _arrow(ax, (mx + 0.35, y - 0.55), (tx, y - 0.75), color=COLORS["recv"], dashed=True)
+        note(tx + 0.3, y - 0.75, f"CQ entry: FI_REMOTE_CQ_DATA,\ndata = {i}: page {i} has landed", color=COLORS["recv"])
+        _arrow(ax, (mx - 0.35, y - 0.75), (wx, y - 1.05), color=COLORS["send"], width=0.9, dashed=True)
+        note(wx - 0.3, y - 1.05, f"completion:\nwrite {i} done", ha="right", color=COLORS["send"])
+        y -= 1.6
+    note((mx + tx) / 2, y + 0.2, "chapter 6 waits for each\ncompletion before\nposting the next write",
+         ha="center")
+    y -= 0.6
+    control(y, True, "DONE: N writes were posted")
+    note(tx + 0.3, y - 0.6, "wait for N CQ entries,\ncompare every byte")
+    control(y - 1.2, False, "REPORT: arrivals per page, verified")
+    ax.text(mx, bottom - 0.2, "with an RDMA NIC the target's CPU touches no byte of the pages", fontsize=7.5, ha="center",
+            va="top", color=COLORS["data"])
+    legend = ("who posts?\n  only the writer: fi_writemsg names its own\n  bytes and the target's (base + offset,\n"
+              "  key); the target posts nothing per write\n\n"
+              "who completes?\n  the writer: its write is done, and the\n  context it posted comes back;\n"
+              "  the target: a CQ entry, only because the\n  write carried FI_REMOTE_CQ_DATA\n\n"
+              "what does the immediate data say?\n  which page landed (its index; the\n"
+              "  provider carries 8 bytes on shm, 4 on EFA)")
+    ax.text(20.4, 11.3, legend, fontsize=7.5, ha="left", va="top", linespacing=1.35,
+            bbox=dict(boxstyle="round,pad=0.5", facecolor="#fbfbfb", edgecolor="#999999"))
+    return fig
+
+
+def gbps_comparison(rows: Sequence[tuple], line_rate: float | None = 100.0,
+                    line_label: str = "one EFA link: 100 Gbps", title: str | None = None,
+                    groups: Mapping[str, str] | None = None) -> Figure:
+    """Horizontal bars of Gbps: ``rows`` are (label, gbps, group) or (label, gbps, group, note); groups pick
+    the colour (``article``, ``here``, ``ceiling``) and ``groups`` maps them to legend text."""
+    groups = dict(groups or {"article": "the article, AWS p5 (EFA)", "here": "measured here",
+                             "ceiling": "this machine's ceiling"})
+    palette = {"article": COLORS["recv"], "here": COLORS["send"], "ceiling": COLORS["control"]}
+    rows = list(rows)
+    fig = _figure(9, 0.42 * len(rows) + 1.5)
+    height = 0.42 * len(rows) + 1.5
+    ax = fig.add_axes((0.36, 0.75 / height, 0.6, 1 - 1.2 / height))
+    ys = list(range(len(rows)))[::-1]
+    top = max([r[1] for r in rows] + [line_rate or 0])
+    seen = set()
+    for y, row in zip(ys, rows):
+        label, gbps, group = row[:3]
+        note = row[3] if len(row) > 3 else ""
+        ax.barh(y, gbps, color=palette.get(group, "#999999"), height=0.6, zorder=2,
+                label=groups.get(group, group) if group not in seen else None)
+        seen.add(group)
+        ax.text(gbps + top * 0.01, y, f"{gbps:.1f}" + (f"  {note}" if note else ""), va="center", fontsize=7.5)
+    if line_rate:
+        ax.axvline(line_rate, color="black", ls="--", lw=1, zorder=3, label=line_label)
+    ax.set_yticks(ys)
+    ax.set_yticklabels([r[0] for r in rows], fontsize=8)
+    ax.set_xlim(0, top * 1.3)
+    ax.set_ylim(-0.6, len(rows) - 0.2)
+    ax.set_xlabel("Gbps", fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", color=COLORS["grid"], zorder=0)
+    ax.legend(fontsize=7, loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=10, pad=14)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------- chapter 7
+
+
+def operation_queue(depth: int = 4) -> Figure:
+    """Chapter 7's queue: writes wait in a deque, at most ``depth`` are posted at a time, completions free
+    slots, -FI_EAGAIN leaves the head where it is. Below, why it matters: the link's busy time with one
+    write in flight and with several."""
+    fig = _figure(10, 6.4)
+    ax = _canvas(fig, rect=(0, 0.42, 1, 0.58), xlim=(0, 20), ylim=(0, 7.9))
+    _box(ax, 0.2, 4.4, 3.3, 1.5, "write_pages:\nsubmit one\noperation per page", COLORS["app"], fontsize=8)
+    ax.text(6.9, 6.85, "pending (a deque, in order)", fontsize=8, ha="center")
+    pending = ["w9", "w8", "w7", "w6"]
+    for i, name in enumerate(pending):
+        face = "#fdebd0" if i < len(pending) - 1 else "#f5b041"
+        _box(ax, 4.6 + i * 1.15, 4.7, 1.0, 0.9, name, face, fontsize=8, style="square,pad=0")
+    ax.text(4.6 + 3 * 1.15 + 0.5, 4.35, "head", fontsize=7, ha="center", va="top")
+    _arrow(ax, (3.5, 5.15), (4.55, 5.15))
+    ax.text(13.1, 4.35, f"in flight (at most depth = {depth})", fontsize=8, ha="center", va="top")
+    for i in range(depth):
+        _box(ax, 11.0 + i * 1.1, 4.7, 0.95, 0.9, f"w{5 - i}", COLORS["write"], fontsize=8, style="square,pad=0",
+             text_color="white")
+    _arrow(ax, (9.35, 5.15), (10.95, 5.15))
+    ax.text(10.15, 5.45, "post\nfrom\nthe head", fontsize=7, ha="center", va="bottom")
+    _box(ax, 16.2, 4.2, 3.5, 1.9, "provider / NIC\n(its own queue\nmay be full)", COLORS["nic"], fontsize=8)
+    _arrow(ax, (15.45, 5.15), (16.15, 5.15))
+    _box(ax, 11.0, 1.3, 4.3, 0.9, "completion queue: w1, w0", "#7dcea0", fontsize=8)
+    _arrow(ax, (17.9, 4.2), (15.35, 1.75))
+    _arrow(ax, (11.0, 1.75), (6.8, 1.75))
+    _box(ax, 2.4, 1.1, 4.4, 1.3, "progress(): reap completions;\neach completed() frees a slot,\nthen post again",
+         COLORS["app"], fontsize=7.5)
+    _arrow(ax, (4.6, 2.4), (8.0, 4.65), color="#555555", connection="arc3,rad=-0.25")
+    _arrow(ax, (17.9, 6.1), (8.3, 5.65), color="#a93226", dashed=True, connection="arc3,rad=0.2")
+    ax.text(13.2, 7.55, "-FI_EAGAIN: the operation stays at the head and is tried again after the next "
+            "round of completions", fontsize=7.5, color="#a93226", ha="center", va="center")
+
+    # Below: the link with one write in flight, and with a queue.
+    lx = fig.add_axes((0.16, 0.07, 0.8, 0.3))
+    wire, trip, n = 1.0, 1.6, 6
+    rows = {"chapter 6:\none in flight": [k * (wire + trip) for k in range(n)]}
+    starts, done = [], []
+    for k in range(n):
+        start = max(starts[-1] + wire if starts else 0.0, done[k - depth] if k >= depth else 0.0)
+        starts.append(start)
+        done.append(start + wire + trip)
+    rows[f"chapter 7:\n{depth} in flight"] = starts
+    for y, (name, begins) in enumerate(reversed(list(rows.items()))):
+        lx.broken_barh([(b, wire) for b in begins], (y - 0.3, 0.6), facecolors=COLORS["write"])
+        for k, b in enumerate(begins):
+            lx.text(b + wire / 2, y, f"w{k}", color="white", fontsize=7, ha="center", va="center")
+        end = begins[-1] + wire + trip
+        lx.plot([end], [y], marker="o", color=COLORS["send"], ms=5)
+    lx.set_yticks([0, 1])
+    lx.set_yticklabels(list(reversed(list(rows))), fontsize=8)
+    lx.set_xlim(0, n * (wire + trip) + 0.5)
+    lx.set_ylim(-0.7, 1.7)
+    lx.set_xticks([])
+    lx.set_xlabel("time → (purple: the link carries a page; gaps: it waits for a completion to come back; "
+                  "dot: the last completion)", fontsize=7.5)
+    for side in ("top", "right"):
+        lx.spines[side].set_visible(False)
+    return fig
+
+
+def saturation_depth(gbps_by_depth: Mapping[int, float], share: float = 0.9) -> int:
+    """The smallest depth whose rate reaches ``share`` of the best rate in the row."""
+    best = max(gbps_by_depth.values())
+    return min(d for d, g in gbps_by_depth.items() if g >= share * best)
+
+
+def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = None,
+                share: float = 0.9) -> Figure:
+    """Gbps over page size × pages in flight (``results``: objects with page_size, in_flight, gbps, such as
+    bench.BenchResult): a heat map and one curve per page size. The framed cell / circled point of each
+    row is the fewest pages in flight that reach ``share`` of that row's best: where the queue saturates."""
+    grid: dict[int, dict[int, float]] = {}
+    for r in results:
+        grid.setdefault(r.page_size, {})[r.in_flight] = r.gbps
+    pages = sorted(grid)
+    depths = sorted({d for row in grid.values() for d in row})
+    fig = _figure(11, 0.55 * len(pages) + 2.6)
+    height = 0.55 * len(pages) + 2.6
+    hm = fig.add_axes((0.09, 0.85 / height, 0.4, 1 - 1.5 / height))
+    cv = fig.add_axes((0.58, 0.85 / height, 0.4, 1 - 1.5 / height))
+    values = [[grid[p].get(d, float("nan")) for d in depths] for p in pages]
+    top = max(g for row in grid.values() for g in row.values())
+    hm.imshow(values, cmap="Purples", vmin=0, vmax=top, aspect="auto", origin="lower")
+    for i, p in enumerate(pages):
+        knee = saturation_depth(grid[p], share)
+        for j, d in enumerate(depths):
+            g = grid[p].get(d)
+            if g is None:
+                continue
+            hm.text(j, i, f"{g:.1f}", ha="center", va="center", fontsize=8,
+                    color="white" if g > 0.6 * top else "black")
+            if d == knee:
+                hm.add_patch(FancyBboxPatch((j - 0.46, i - 0.44), 0.92, 0.88, boxstyle="square,pad=0",
+                                            facecolor="none", edgecolor=COLORS["send"], lw=2))
+    hm.set_xticks(range(len(depths)))
+    hm.set_xticklabels([str(d) for d in depths], fontsize=8)
+    hm.set_yticks(range(len(pages)))
+    hm.set_yticklabels([_size(p) for p in pages], fontsize=8)
+    hm.set_xlabel("pages in flight", fontsize=8)
+    hm.set_ylabel("page size", fontsize=8)
+    hm.set_title(f"Gbps (framed: first depth within {share:.0%} of the row's best)", fontsize=8.5)
+    palette = [COLORS["recv"], COLORS["send"], COLORS["write"], COLORS["data"], COLORS["control"]]
+    for i, p in enumerate(pages):
+        xs = sorted(grid[p])
+        color = palette[i % len(palette)]
+        cv.plot(xs, [grid[p][d] for d in xs], marker="o", color=color, label=_size(p))
+        knee = saturation_depth(grid[p], share)
+        cv.plot([knee], [grid[p][knee]], marker="o", ms=13, mfc="none", mec=color, mew=1.5)
+    if ceiling_gbps:
+        cv.axhline(ceiling_gbps, color="black", ls="--", lw=1, label=f"memcpy {ceiling_gbps:.0f} Gbps")
+    cv.set_xscale("log", base=2)
+    cv.set_xticks(depths)
+    cv.set_xticklabels([str(d) for d in depths], fontsize=8)
+    cv.xaxis.set_minor_formatter(NullFormatter())
+    cv.set_xlabel("pages in flight (log scale)", fontsize=8)
+    cv.set_ylabel("Gbps", fontsize=8)
+    cv.tick_params(axis="y", labelsize=8)
+    cv.set_ylim(0, max(top, ceiling_gbps or 0) * 1.12)
+    cv.grid(color=COLORS["grid"])
+    cv.legend(fontsize=7, loc="upper left", title="page size", title_fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10, y=0.995)
+    return fig

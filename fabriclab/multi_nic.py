@@ -258,6 +258,8 @@ class MultiNicTarget(rdma_write.Target):
     """Chapter 6's target, grown a NIC set: it registers the region on every slot and counts arrivals
     with the native target loop, running in the background from PREPARE until DONE."""
 
+    CONTROL_PAYLOAD = 256 << 10  # an address and a region key per NIC slot, up to FL_MAX_NICS of them
+
     def __init__(self, stack, provider, domains, slots=8, timeout=fi.DEFAULT_TIMEOUT):
         super().__init__(stack, slots, timeout)
         self.provider, self.domains = provider, domains
@@ -289,7 +291,7 @@ class MultiNicTarget(rdma_write.Target):
         e.pages = plan.pages
         e.target_page_size, e.target_buffer_bytes = plan.page_size, plan.buffer_bytes
         e.expected_arrivals = 2 ** 64 - 1
-        e.arrivals = 0
+        e.arrivals = e.first_arrival_ns = e.last_arrival_ns = 0
         threads = max(1, min(request.get("target_threads", 1), len(self.nicset.slots)))
         self._loop = threading.Thread(target=self._run_loop, args=(threads,), daemon=True)
         self._loop.start()
@@ -321,7 +323,8 @@ class MultiNicTarget(rdma_write.Target):
             verified = arrivals == expected and not mismatched
         why = ffi.string(e.error).decode(errors="replace") if self._loop_rc else ""
         return Report(arrivals, int(np.count_nonzero(self.counts)), int(self.counts.min()), int(self.counts.max()),
-                      verified, mismatched, self.registrations[0].path, why)
+                      verified, mismatched, self.registrations[0].path, why,
+                      (e.last_arrival_ns - e.first_arrival_ns) / 1e9)
 
     def release(self) -> None:
         if self._loop is not None and self._loop.is_alive():
@@ -410,12 +413,10 @@ class MultiNicWriter(Writer):
         groups = self.switches()["groups"]
         if groups > len(self.nicset.slots):
             raise fi.UsageError(f"{groups} GPU groups need at least as many NICs, got {len(self.nicset.slots)}")
-        seq = next(self._seq)
         request = {"page_size": plan.page_size, "buffer_bytes": plan.buffer_bytes, "memory": memory_kind,
                    "seed": seed, "nics": len(self.nicset.slots), "addresses": self.nicset.addresses(),
                    "target_threads": self.target_threads or self.threads}
-        self.mailbox.send(self.server_addr, PREPARE_NICS, self.client_id, seq, json.dumps(request).encode())
-        reply = json.loads(bytes(self._next(lambda m: m.kind in (REGIONS, rdma_write.REPORT) and m.seq == seq).payload))
+        reply = json.loads(self._call(PREPARE_NICS, request, REGIONS))
         self.plan, self.writes_issued = plan, 0
         self.source = memory.allocate(memory_kind, plan.buffer_bytes)
         self.source.write(rdma_write.source_data(seed, plan.buffer_bytes))
@@ -502,13 +503,11 @@ class MultiNicWriter(Writer):
 def serve(args, stop: cli.StopSignal) -> int:
     with memory.open_endpoint(args.provider, (args.domain or "").split(",")[0] or None, args.memory) as stack:
         target = MultiNicTarget(stack, stack.info.provider, args.domain, timeout=args.timeout)
-        print(stack.ep.address(4096 + bidirectional.HEADER.size).hex(), flush=True)
+        print(target.address.hex(), flush=True)
         print(f"multi-NIC target on {stack.info.provider}: control endpoint {stack.ep.address().describe()}",
               flush=True)
         try:
-            while not stop.is_set():
-                for m in target.mailbox.receive(stop, timeout=float("inf")):
-                    target.handle(m)
+            target.serve(stop)
         finally:
             target.release()
     return 0

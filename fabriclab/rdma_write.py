@@ -26,6 +26,7 @@ from . import bidirectional, cli, fi, memory
 from .bidirectional import Client, Mailbox
 
 PREPARE, REGION, DONE, REPORT = range(6, 10)
+REFUSED = 12  # the target could not do what was asked; the payload says why
 DEFAULT_BUFFER_LIMIT = 256 << 20
 
 
@@ -88,6 +89,7 @@ class Report:
     mismatched_pages: list = field(default_factory=list)
     path: str = "host"
     why: str = ""
+    landed_s: float = 0.0  # from the first write landing to the last, on the target's clock
 
 
 class TargetMailbox(Mailbox):
@@ -99,6 +101,7 @@ class TargetMailbox(Mailbox):
         self.registration: memory.Registration | None = None
         self.plan: PagePlan | None = None
         self.arrivals = 0
+        self.first_landed = self.last_landed = 0.0
         self.handlers[None] = self._landed
 
     def _landed(self, c: fi.Completion) -> None:
@@ -107,6 +110,9 @@ class TargetMailbox(Mailbox):
         page = c.data
         self.counts[page] += 1
         self.arrivals += 1
+        self.last_landed = time.perf_counter()
+        if self.arrivals == 1:
+            self.first_landed = self.last_landed
         # The page's own length: providers need not fill in the length of a remote write's completion.
         self.registration.after_receive(page * self.plan.page_size, self.plan.page_length(page))
 
@@ -114,10 +120,12 @@ class TargetMailbox(Mailbox):
 class Target:
     """Serves writers: registers a region per PREPARE, counts what lands, verifies on DONE."""
 
+    CONTROL_PAYLOAD = 4096  # largest control message; the multi-NIC target needs more
+
     def __init__(self, stack: fi.EndpointStack, slots: int = 8, timeout: float = fi.DEFAULT_TIMEOUT):
         self.stack = stack
         self.timeout = timeout
-        self.mailbox = TargetMailbox(stack, slots, 4096, timeout)
+        self.mailbox = TargetMailbox(stack, slots, self.CONTROL_PAYLOAD, timeout)
         self.clients: dict[int, int] = {}
         self._next_client = itertools.count(1)
         self.buffer = None
@@ -157,7 +165,7 @@ class Target:
                                                                                   want[p * ps:(p + 1) * ps])][:20]
             verified = box.arrivals == expected_writes and not mismatched
         return Report(box.arrivals, int(np.count_nonzero(counts)), int(counts.min()), int(counts.max()), verified,
-                      mismatched, box.registration.path, box.registration.why)
+                      mismatched, box.registration.path, box.registration.why, box.last_landed - box.first_landed)
 
     def release(self) -> None:
         if self.mailbox.registration is not None:
@@ -166,6 +174,24 @@ class Target:
         if self.buffer is not None:
             self.buffer.close()
             self.buffer = None
+
+    @property
+    def address(self) -> fi.Address:
+        """The control endpoint's address, advertising the largest control message it takes."""
+        return self.stack.ep.address(self.mailbox.slot_size)
+
+    def serve(self, stop) -> None:
+        """Handle writers' messages until ``stop``; a request that fails is answered with REFUSED and the
+        reason, and the target goes on serving."""
+        while not stop.is_set():
+            for m in self.mailbox.receive(stop, timeout=math.inf):
+                try:
+                    self.handle(m)
+                except (fi.UsageError, fi.FabricError, MemoryError) as exc:
+                    print(f"refused {bidirectional.KIND_NAMES.get(m.kind, m.kind)} from writer {m.client}: {exc}",
+                          flush=True)
+                    if m.client in self.clients:
+                        self.mailbox.send(self.clients[m.client], REFUSED, m.client, m.seq, str(exc).encode()[:2000])
 
     def handle(self, m: bidirectional.Message) -> None:
         box = self.mailbox
@@ -235,9 +261,13 @@ class Writer(Client):
         self.completed += 1
 
     def _call(self, kind: int, request: dict, reply_kind: int) -> bytes:
+        """Send a control request and wait for its reply; the target's refusal becomes a UsageError."""
         seq = next(self._seq)
         self.mailbox.send(self.server_addr, kind, self.client_id, seq, json.dumps(request).encode())
-        return bytes(self._next(lambda m: m.kind == reply_kind and m.seq == seq).payload)
+        reply = self._next(lambda m: m.kind in (reply_kind, REFUSED) and m.seq == seq)
+        if reply.kind == REFUSED:
+            raise fi.UsageError(f"the target refused: {bytes(reply.payload).decode(errors='replace')}")
+        return bytes(reply.payload)
 
     def prepare(self, plan: PagePlan, memory_kind: str = "host", seed: int = 1) -> dict:
         """Ask the target for a region of the plan's size; fill and register the local source."""
@@ -316,13 +346,11 @@ class Writer(Client):
 def serve(args, stop: cli.StopSignal) -> int:
     with memory.open_endpoint(args.provider, args.domain, args.memory) as stack:
         target = Target(stack, timeout=args.timeout)
-        print(stack.ep.address(4096 + bidirectional.HEADER.size).hex(), flush=True)
+        print(target.address.hex(), flush=True)
         print(f"target on {stack.info.provider} domain {stack.info.domain}: {stack.ep.address().describe()}",
               flush=True)
         try:
-            while not stop.is_set():
-                for m in target.mailbox.receive(stop, timeout=math.inf):
-                    target.handle(m)
+            target.serve(stop)
         finally:
             target.release()
     return 0

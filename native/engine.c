@@ -526,6 +526,18 @@ typedef struct target_ctx {
     uint64_t timeout_ns;
 } target_ctx;
 
+static void publish_arrival_times(fl_engine *e, uint64_t first, uint64_t last) {
+    if (!first) return;
+    uint64_t seen = __atomic_load_n(&e->first_arrival_ns, __ATOMIC_RELAXED);
+    while ((seen == 0 || first < seen) &&
+           !__atomic_compare_exchange_n(&e->first_arrival_ns, &seen, first, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    seen = __atomic_load_n(&e->last_arrival_ns, __ATOMIC_RELAXED);
+    while (last > seen &&
+           !__atomic_compare_exchange_n(&e->last_arrival_ns, &seen, last, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
 static void *target_thread(void *arg) {
     target_ctx *t = arg;
     fl_engine *e = t->e;
@@ -537,7 +549,7 @@ static void *target_thread(void *arg) {
     }
     struct fi_cq_data_entry entries[CQ_BATCH];
     if (staging_thread_setup(e)) return NULL;
-    uint64_t last_arrival = fl_now_ns();
+    uint64_t last_arrival = fl_now_ns(), first_seen = 0, last_seen = 0;
     uint64_t passes = 0;
     while (!stopping(e)) {
         int got_any = 0;
@@ -575,7 +587,11 @@ static void *target_thread(void *arg) {
                 counted++;
             }
             n->arrivals += counted;
-            if (counted) __atomic_fetch_add(&e->arrivals, counted, __ATOMIC_RELAXED);
+            if (counted) {
+                __atomic_fetch_add(&e->arrivals, counted, __ATOMIC_RELAXED);
+                last_seen = fl_now_ns();
+                if (!first_seen) first_seen = last_seen;
+            }
             got_any = 1;
         }
         if (got_any) last_arrival = fl_now_ns();
@@ -587,6 +603,7 @@ static void *target_thread(void *arg) {
             break;
         }
     }
+    publish_arrival_times(e, first_seen, last_seen);
     return NULL;
 }
 

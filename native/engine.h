@@ -66,6 +66,7 @@ typedef struct fl_engine {
     uint64_t pages;
     volatile uint64_t expected_arrivals; /* the target stops once this many have landed */
     volatile uint64_t arrivals;        /* published total */
+    uint64_t first_arrival_ns, last_arrival_ns; /* when the target saw the first and last write land */
     uint64_t target_page_size, target_buffer_bytes;
     /* Staged GPU memory: the NIC sees a pinned host copy at stage_host_base; each page is copied from
      * the GPU (stage_device_base) just before it is queued for writing, and to the GPU as it lands.

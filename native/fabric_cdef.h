@@ -240,6 +240,7 @@ typedef struct fl_engine {
     int nnics; fl_nic *nics; volatile int stop; int error_code; char error[...];
     double elapsed_s; uint64_t timed_writes, timed_bytes;
     uint32_t *page_counts; uint64_t pages; volatile uint64_t expected_arrivals; volatile uint64_t arrivals;
+    uint64_t first_arrival_ns, last_arrival_ns;
     uint64_t target_page_size, target_buffer_bytes;
     uint64_t stage_device_base, stage_host_base;
     int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
