@@ -23,9 +23,20 @@
 
 typedef struct op_slot {
     struct fi_context2 ctx; /* first: the completion's op_context points here */
-    uint32_t page;
+    uint64_t len;
+    uint32_t transfer;
     uint32_t next_free;
 } op_slot;
+
+#define INBOX_CAPACITY 65536u
+
+/* Service mode: what fl_service_submit hands one worker thread. Producers take the lock; the worker
+ * only reads head/tail atomically. */
+typedef struct inbox {
+    pthread_mutex_t lock;
+    fl_op *ops;
+    _Atomic uint32_t head, tail;
+} inbox;
 
 struct group;
 
@@ -50,6 +61,12 @@ typedef struct engine_state {
     pthread_barrier_t start_line;
     uint64_t start_ns[FL_MAX_THREADS], end_ns[FL_MAX_THREADS];
     uint64_t timed_bytes[FL_MAX_THREADS];
+    /* service mode */
+    int service_threads;
+    pthread_t service_tids[FL_MAX_THREADS];
+    struct thread_ctx *service_ctx;
+    inbox inboxes[FL_MAX_THREADS];
+    fl_config service_cfg;
 } engine_state;
 
 typedef struct group {
@@ -68,6 +85,7 @@ typedef struct thread_ctx {
     volatile uint64_t *my_posted, *my_finished;
     uint64_t last_progress_ns, timeout_ns;
     int timed;
+    int service;        /* a service worker: errors fail the transfer, not the engine */
     uint64_t remaining; /* timed writes of this thread's groups not yet completed */
     uint64_t timed_bytes;
     uint32_t pages;
@@ -108,7 +126,7 @@ fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity) {
     e->nnics = nnics;
     st->nics = calloc(nnics, sizeof(nic_state));
     for (int i = 0; st->nics && i < nnics; i++) {
-        e->nics[i].ring = calloc(ring_capacity, sizeof(uint32_t));
+        e->nics[i].ring = calloc(ring_capacity, sizeof(fl_op));
         e->nics[i].ring_capacity = ring_capacity;
         if (!e->nics[i].ring) break;
         if (i == nnics - 1) return e;
@@ -117,8 +135,11 @@ fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity) {
     return NULL;
 }
 
+void fl_service_stop(fl_engine *e);
+
 void fl_engine_free(fl_engine *e) {
     if (!e) return;
+    fl_service_stop(e);
     engine_state *st = e->state;
     for (int i = 0; e->nics && i < e->nnics; i++) {
         free(e->nics[i].ring);
@@ -166,17 +187,76 @@ static inline void count_finished(thread_ctx *t) {
     else atomic_fetch_add_explicit(&t->st->shared_finished, 1, memory_order_relaxed);
 }
 
-static void cq_error(thread_ctx *t, int nic_index) {
+static void transfer_done(fl_engine *e, uint32_t transfer, int error);
+
+/* Returns 0 when the engine can go on (a service transfer failed), -1 when it must stop. */
+static int cq_error(thread_ctx *t, int nic_index) {
     fl_nic *n = &t->e->nics[nic_index];
     struct fi_cq_err_entry err = {0};
     char buf[256] = "";
     n->errors++;
     if (fi_cq_readerr(n->cq, &err, 0) < 0) {
         fail(t->e, -FI_EIO, "NIC %d: completion error that could not be read", nic_index);
-        return;
+        return -1;
+    }
+    if (t->service && err.op_context) {
+        nic_state *ns = &t->st->nics[nic_index];
+        op_slot *slot = err.op_context;
+        n->in_flight--;
+        transfer_done(t->e, slot->transfer, err.err ? -err.err : -FI_EIO);
+        slot->next_free = ns->free_head;
+        ns->free_head = (uint32_t)(slot - ns->slots);
+        return 0;
     }
     const char *detail = fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf);
     fail(t->e, -err.err, "NIC %d: write failed: %s (%s)", nic_index, fi_strerror(err.err), detail ? detail : "");
+    return -1;
+}
+
+/* One write of a service transfer has finished (error < 0: failed). */
+static void transfer_done(fl_engine *e, uint32_t transfer, int error) {
+    if (transfer == FL_NO_TRANSFER || !e->transfers || transfer >= e->transfer_capacity) return;
+    if (error) {
+        int64_t none = 0;
+        __atomic_compare_exchange_n(&e->transfers[2 * (uint64_t)transfer + 1], &none, (int64_t)error, 0,
+                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    }
+    __atomic_fetch_sub(&e->transfers[2 * (uint64_t)transfer], 1, __ATOMIC_RELEASE);
+}
+
+static void count_imm(fl_engine *e, uint64_t imm) {
+    if (!e->imm_keys) return;
+    uint64_t key = imm + 1, mask = e->imm_capacity - 1;
+    for (uint64_t probe = 0; probe <= mask; probe++) {
+        uint64_t i = (imm * 0x9E3779B97F4A7C15ull + probe) & mask;
+        uint64_t seen = __atomic_load_n(&e->imm_keys[i], __ATOMIC_ACQUIRE);
+        if (seen == 0 && __atomic_compare_exchange_n(&e->imm_keys[i], &seen, key, 0, __ATOMIC_ACQ_REL,
+                                                     __ATOMIC_ACQUIRE))
+            seen = key;
+        if (seen == key) {
+            __atomic_fetch_add(&e->imm_counts[i], 1, __ATOMIC_RELEASE);
+            return;
+        }
+    }
+}
+
+int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count) {
+    if (!e->imm_keys) return 0;
+    uint64_t key = imm + 1, mask = e->imm_capacity - 1;
+    for (uint64_t probe = 0; probe <= mask; probe++) {
+        uint64_t i = (imm * 0x9E3779B97F4A7C15ull + probe) & mask;
+        uint64_t seen = __atomic_load_n(&e->imm_keys[i], __ATOMIC_ACQUIRE);
+        if (seen == 0) return 0;
+        if (seen != key) continue;
+        uint64_t have = __atomic_load_n(&e->imm_counts[i], __ATOMIC_ACQUIRE);
+        while (have >= count) {
+            if (__atomic_compare_exchange_n(&e->imm_counts[i], &have, have - count, 0, __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE))
+                return 1;
+        }
+        return 0;
+    }
+    return 0;
 }
 
 /* Reap every completion waiting on a NIC's queue; returns how many, or -1 on error. Never posts. */
@@ -189,12 +269,23 @@ static int poll_nic(thread_ctx *t, int nic_index) {
         ssize_t got = fi_cq_read(n->cq, entries, CQ_BATCH);
         n->cq_polls++;
         if (got == -FI_EAGAIN) break;
-        if (got == -FI_EAVAIL) { cq_error(t, nic_index); return -1; }
+        if (got == -FI_EAVAIL) {
+            if (cq_error(t, nic_index) < 0) return -1;
+            handled++;
+            continue;
+        }
         if (got < 0) { fail(t->e, (int)got, "NIC %d: fi_cq_read: %s", nic_index, fi_strerror((int)-got)); return -1; }
         for (ssize_t i = 0; i < got; i++) {
             op_slot *slot = entries[i].op_context;
-            if (!slot) continue; /* not one of our writes */
-            uint64_t len = page_length(t->cfg, slot->page);
+            if (!slot) { /* a peer's write into our memory */
+                if (entries[i].flags & FI_REMOTE_CQ_DATA) {
+                    n->arrivals++;
+                    count_imm(t->e, entries[i].data);
+                }
+                continue;
+            }
+            uint64_t len = slot->len;
+            transfer_done(t->e, slot->transfer, 0);
             n->bytes += len;
             n->completions++;
             n->in_flight--;
@@ -214,21 +305,19 @@ static int poll_nic(thread_ctx *t, int nic_index) {
 }
 
 /* 0 posted, 1 the provider said -FI_EAGAIN, -1 error. */
-static int post_write(thread_ctx *t, int nic_index, uint32_t page, uint64_t extra_flags) {
+static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t extra_flags) {
     fl_nic *n = &t->e->nics[nic_index];
     nic_state *ns = &t->st->nics[nic_index];
-    const fl_config *cfg = t->cfg;
-    uint32_t s = ns->free_head;
-    op_slot *slot = &ns->slots[s];
-    uint64_t off = (uint64_t)page * cfg->page_size;
-    uint64_t len = page_length(cfg, page);
-    struct iovec iov = {.iov_base = (void *)(uintptr_t)(cfg->local_base + off), .iov_len = len};
-    void *desc = n->desc;
-    struct fi_rma_iov rma = {.addr = n->remote_base + off, .len = len, .key = n->rkey};
-    struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = n->dest,
-                             .rma_iov = &rma, .rma_iov_count = 1, .context = &slot->ctx, .data = page};
-    slot->page = page;
-    ssize_t rc = fi_writemsg(n->ep, &msg, FI_COMPLETION | FI_REMOTE_CQ_DATA | extra_flags);
+    op_slot *slot = &ns->slots[ns->free_head];
+    struct iovec iov = {.iov_base = (void *)(uintptr_t)op->local, .iov_len = op->len};
+    void *desc = op->desc;
+    struct fi_rma_iov rma = {.addr = op->remote, .len = op->len, .key = op->rkey};
+    struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = op->dest,
+                             .rma_iov = &rma, .rma_iov_count = 1, .context = &slot->ctx, .data = op->imm};
+    slot->len = op->len;
+    slot->transfer = op->transfer;
+    uint64_t flags = FI_COMPLETION | extra_flags | ((op->flags & FL_OP_IMM) ? FI_REMOTE_CQ_DATA : 0);
+    ssize_t rc = fi_writemsg(n->ep, &msg, flags);
     if (rc == 0) {
         ns->free_head = slot->next_free;
         n->in_flight++;
@@ -241,8 +330,21 @@ static int post_write(thread_ctx *t, int nic_index, uint32_t page, uint64_t extr
         n->eagain++;
         return 1;
     }
+    if (t->service) { /* this write fails its transfer; the engine goes on */
+        n->errors++;
+        transfer_done(t->e, op->transfer, (int)rc);
+        return 2;
+    }
     fail(t->e, (int)rc, "NIC %d: fi_writemsg: %s", nic_index, fi_strerror((int)-rc));
     return -1;
+}
+
+/* The write chapters 9-15 move: page p of the buffer to page p of the peer, immediate data p. */
+static void page_op(const fl_config *cfg, const fl_nic *n, int nic_index, uint32_t page, uint64_t base, fl_op *op) {
+    uint64_t off = (uint64_t)page * cfg->page_size;
+    *op = (fl_op){.local = base + off, .remote = n->remote_base + off, .len = page_length(cfg, page),
+                  .rkey = n->rkey, .imm = page, .desc = n->desc, .dest = n->dest, .transfer = FL_NO_TRANSFER,
+                  .nic = (uint16_t)nic_index, .flags = FL_OP_IMM};
 }
 
 static int check_timeout(thread_ctx *t, int nic_index) {
@@ -260,9 +362,9 @@ static int check_timeout(thread_ctx *t, int nic_index) {
 static int flush_more(thread_ctx *t, int nic_index) {
     fl_nic *n = &t->e->nics[nic_index];
     for (;;) {
-        uint32_t page = n->ring[n->ring_head % n->ring_capacity];
-        int rc = n->in_flight < n->max_in_flight ? post_write(t, nic_index, page, 0) : 1;
-        if (rc == 0) {
+        const fl_op *op = &n->ring[n->ring_head % n->ring_capacity];
+        int rc = n->in_flight < n->max_in_flight ? post_write(t, nic_index, op, 0) : 1;
+        if (rc == 0 || rc == 2) {
             n->ring_head++;
             n->more_flushes++;
             return 0;
@@ -285,11 +387,11 @@ static int progress_pending(thread_ctx *t, int nic_index) {
         uint32_t room = n->max_in_flight - n->in_flight;
         uint32_t available = pending < room ? pending : room;
         int more = t->cfg->fi_more && available > 1 && run + 1 < MORE_RUN_MAX;
-        uint32_t page = n->ring[n->ring_head % n->ring_capacity];
-        int rc = post_write(t, nic_index, page, more ? FI_MORE : 0);
-        if (rc == 0) {
+        const fl_op *op = &n->ring[n->ring_head % n->ring_capacity];
+        int rc = post_write(t, nic_index, op, more ? FI_MORE : 0);
+        if (rc == 0 || rc == 2) { /* 2: refused for good; its transfer has been failed */
             n->ring_head++;
-            run = more ? run + 1 : 0;
+            run = more && rc == 0 ? run + 1 : 0;
             continue;
         }
         if (rc < 0) return -1;
@@ -316,10 +418,7 @@ static int stage_page(fl_engine *e, uint64_t dst_base, uint64_t src_base, uint64
 
 static inline int ring_full(const fl_nic *n) { return n->ring_tail - n->ring_head >= n->ring_capacity; }
 
-static inline void enqueue(fl_nic *n, uint32_t page) {
-    n->ring[n->ring_tail % n->ring_capacity] = page;
-    n->ring_tail++;
-}
+static inline fl_op *ring_slot(fl_nic *n) { return &n->ring[n->ring_tail % n->ring_capacity]; }
 
 /* Chapters 11-12 ask the shared counter; from chapter 13 each thread only looks at its own work. */
 static inline int done(thread_ctx *t) {
@@ -336,9 +435,12 @@ static int warm_up(thread_ctx *t) {
             if (t->e->stage_device_base && stage_page(t->e, t->e->stage_host_base, t->e->stage_device_base,
                                                       (uint64_t)page * t->cfg->page_size, page_length(t->cfg, page)))
                 return -1;
+            fl_op op;
+            page_op(t->cfg, &t->e->nics[nic], nic, page, t->cfg->local_base, &op);
             int rc;
-            while ((rc = post_write(t, nic, page, 0)) == 1) {
-                if (poll_nic(t, nic) < 0 || stopping(t->e)) return -1;
+            t->last_progress_ns = fl_now_ns();
+            while ((rc = post_write(t, nic, &op, 0)) == 1) { /* a peer that never answers must not hang us */
+                if (poll_nic(t, nic) < 0 || stopping(t->e) || check_timeout(t, nic)) return -1;
             }
             if (rc < 0) return -1;
         }
@@ -396,7 +498,8 @@ static void *writer_thread(void *arg) {
                 if (e->stage_device_base && stage_page(e, e->stage_host_base, e->stage_device_base,
                                                        (uint64_t)page * cfg->page_size, page_length(cfg, page)))
                     goto out;
-                enqueue(&e->nics[nic], page);
+                page_op(cfg, &e->nics[nic], nic, page, cfg->local_base, ring_slot(&e->nics[nic]));
+                e->nics[nic].ring_tail++;
                 g->issued++;
                 /* before chapter 15 every enqueue also tries to post; lazy posting leaves that to the
                  * completion loop above */
@@ -628,4 +731,134 @@ int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double t
     }
     for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
     return e->error_code;
+}
+
+/* ----------------------------------------------------------------------------------------- service */
+
+/* Move what the submitter queued for this worker into its NICs' rings (at most `budget`). */
+static int drain_inbox(thread_ctx *t, uint32_t budget) {
+    inbox *box = &t->st->inboxes[t->id];
+    uint32_t head = atomic_load_explicit(&box->head, memory_order_relaxed);
+    uint32_t tail = atomic_load_explicit(&box->tail, memory_order_acquire);
+    uint32_t moved = 0;
+    while (head != tail && moved < budget) {
+        fl_op *op = &box->ops[head % INBOX_CAPACITY];
+        fl_nic *n = &t->e->nics[op->nic];
+        if (ring_full(n)) break; /* keep order: wait until that NIC's ring has room */
+        *ring_slot(n) = *op;
+        n->ring_tail++;
+        head++;
+        moved++;
+    }
+    atomic_store_explicit(&box->head, head, memory_order_release);
+    return (int)moved;
+}
+
+static void *service_thread(void *arg) {
+    thread_ctx *t = arg;
+    fl_engine *e = t->e;
+    const fl_config *cfg = t->cfg;
+    if (cfg->pin) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cfg->cores[t->id], &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    uint32_t idle = 0;
+    t->last_progress_ns = fl_now_ns();
+    while (!stopping(e)) {
+        int busy = drain_inbox(t, (uint32_t)cfg->batch * 64);
+        uint32_t outstanding = 0;
+        for (int k = t->id; k < e->nnics; k += cfg->threads) {
+            int got = poll_nic(t, k);
+            if (got < 0) return NULL;
+            busy |= got;
+            /* lazy posting: the queue was just drained, so this is when there is room */
+            if (progress_pending(t, k) < 0) return NULL;
+            outstanding += e->nics[k].in_flight + (e->nics[k].ring_tail - e->nics[k].ring_head);
+        }
+        if (busy || outstanding) {
+            idle = 0;
+            t->last_progress_ns = fl_now_ns();
+        } else if (++idle > 4096) {
+            /* nothing to do: poll (software providers need it for incoming writes) a little less often */
+            struct timespec pause = {0, 20000};
+            nanosleep(&pause, NULL);
+        }
+    }
+    return NULL;
+}
+
+int fl_service_start(fl_engine *e, const fl_config *cfg) {
+    engine_state *st = e->state;
+    if (cfg->threads <= 0 || cfg->threads > FL_MAX_THREADS || cfg->threads > e->nnics || cfg->batch <= 0) {
+        snprintf(e->error, FL_ERROR_LEN, "invalid service configuration");
+        return e->error_code = -FI_EINVAL;
+    }
+    int rc = prepare_slots(e);
+    if (rc) return e->error_code = rc;
+    st->service_cfg = *cfg;
+    st->service_threads = cfg->threads;
+    st->service_ctx = calloc(cfg->threads, sizeof(thread_ctx));
+    if (!st->service_ctx) return e->error_code = -FI_ENOMEM;
+    for (int w = 0; w < cfg->threads; w++) {
+        inbox *box = &st->inboxes[w];
+        box->ops = calloc(INBOX_CAPACITY, sizeof(fl_op));
+        if (!box->ops) return e->error_code = -FI_ENOMEM;
+        pthread_mutex_init(&box->lock, NULL);
+        atomic_store(&box->head, 0);
+        atomic_store(&box->tail, 0);
+        thread_ctx *t = &st->service_ctx[w];
+        *t = (thread_ctx){.e = e, .cfg = &st->service_cfg, .st = st, .id = w, .service = 1,
+                          .timeout_ns = (uint64_t)(cfg->timeout_s * 1e9)};
+    }
+    for (int w = 0; w < cfg->threads; w++) {
+        rc = pthread_create(&st->service_tids[w], NULL, service_thread, &st->service_ctx[w]);
+        if (rc) {
+            fail(e, -rc, "cannot start service thread %d: %s", w, strerror(rc));
+            for (int k = 0; k < w; k++) pthread_join(st->service_tids[k], NULL);
+            st->service_threads = 0;
+            return e->error_code;
+        }
+    }
+    return 0;
+}
+
+size_t fl_service_submit(fl_engine *e, const fl_op *ops, size_t count) {
+    engine_state *st = e->state;
+    int threads = st->service_threads;
+    if (threads <= 0 || stopping(e)) return 0;
+    size_t taken = 0;
+    while (taken < count) {
+        const fl_op *op = &ops[taken];
+        if (op->nic >= e->nnics) break;
+        inbox *box = &st->inboxes[op->nic % threads];
+        pthread_mutex_lock(&box->lock);
+        uint32_t tail = atomic_load_explicit(&box->tail, memory_order_relaxed);
+        uint32_t head = atomic_load_explicit(&box->head, memory_order_acquire);
+        int full = tail - head >= INBOX_CAPACITY;
+        if (!full) {
+            box->ops[tail % INBOX_CAPACITY] = *op;
+            atomic_store_explicit(&box->tail, tail + 1, memory_order_release);
+        }
+        pthread_mutex_unlock(&box->lock);
+        if (full) break;
+        taken++;
+    }
+    return taken;
+}
+
+void fl_service_stop(fl_engine *e) {
+    engine_state *st = e->state;
+    if (!st || st->service_threads <= 0) return;
+    __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
+    for (int w = 0; w < st->service_threads; w++) pthread_join(st->service_tids[w], NULL);
+    for (int w = 0; w < st->service_threads; w++) {
+        free(st->inboxes[w].ops);
+        st->inboxes[w].ops = NULL;
+        pthread_mutex_destroy(&st->inboxes[w].lock);
+    }
+    free(st->service_ctx);
+    st->service_ctx = NULL;
+    st->service_threads = 0;
 }

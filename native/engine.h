@@ -14,6 +14,22 @@
 #define FL_MAX_NICS 1024
 #define FL_ERROR_LEN 512
 
+/* One RDMA WRITE waiting in a NIC's ring: everything fi_writemsg needs, plus who to tell. */
+typedef struct fl_op {
+    uint64_t local;          /* local address of the bytes */
+    uint64_t remote;         /* what the peer calls the destination (per FI_MR_VIRT_ADDR) */
+    uint64_t len;
+    uint64_t rkey;
+    uint64_t imm;            /* immediate data, sent when FL_OP_IMM is set */
+    void *desc;              /* local memory descriptor in this NIC's domain */
+    fi_addr_t dest;
+    uint32_t transfer;       /* the engine service's transfer this write belongs to */
+    uint16_t nic;            /* which NIC slot posts it */
+    uint16_t flags;
+} fl_op;
+#define FL_OP_IMM 1u
+#define FL_NO_TRANSFER 0xffffffffu
+
 /* One NIC slot: an endpoint and what it needs to write to (or count writes from) its peer slot.
  * Aligned to a cache line so that threads owning different NICs never share one. */
 typedef struct fl_nic {
@@ -26,7 +42,7 @@ typedef struct fl_nic {
     int group;               /* which GPU group (thread, from chapter 11 on) drives this NIC */
     uint32_t max_in_flight;  /* writes allowed in flight on this NIC (the provider's tx queue size) */
     /* the pending queue: page indices waiting to be posted, a ring owned by one thread */
-    uint32_t *ring;
+    fl_op *ring;
     uint32_t ring_capacity;
     uint32_t ring_head, ring_tail;
     uint32_t in_flight;
@@ -76,6 +92,13 @@ typedef struct fl_engine {
     int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
     int (*stage_set_context)(void *context);
     void *stage_context;
+    /* service mode (fabriclab.Engine): transfers[2*id] counts writes still to complete, transfers[2*id+1]
+     * holds the first error (negative) of transfer id; arrivals carrying immediate data are counted per
+     * value in an open-addressing table (keys stored as imm + 1; 0 = empty). */
+    volatile int64_t *transfers;
+    uint32_t transfer_capacity;
+    volatile uint64_t *imm_keys, *imm_counts;
+    uint32_t imm_capacity;   /* a power of two */
     void *state;                       /* engine-private */
 } fl_engine;
 
@@ -87,4 +110,12 @@ int fl_write_run(fl_engine *e, const fl_config *cfg);
  * have landed, stop is set, or nothing arrives for timeout_s while some are still expected. */
 int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s);
 uint64_t fl_now_ns(void);
+/* Service mode: worker threads that post what fl_service_submit hands them, reap completions (counting
+ * them against their transfer) and count arriving immediate data, until fl_service_stop. */
+int fl_service_start(fl_engine *e, const fl_config *cfg);
+/* Queue writes (each names its NIC); returns how many were taken (fewer when the inboxes are full). */
+size_t fl_service_submit(fl_engine *e, const fl_op *ops, size_t count);
+void fl_service_stop(fl_engine *e);
+/* If at least `count` writes carrying `imm` have arrived, consume them and return 1; else 0. */
+int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
 #endif

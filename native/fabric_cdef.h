@@ -224,6 +224,12 @@ char *strdup(const char *s);
 /* ------------------------------------------------------------ fabriclab's native engine (engine.h) */
 #define FL_MAX_THREADS ...
 #define FL_MAX_NICS ...
+typedef struct fl_op {
+    uint64_t local; uint64_t remote; uint64_t len; uint64_t rkey; uint64_t imm; void *desc; fi_addr_t dest;
+    uint32_t transfer; uint16_t nic; uint16_t flags;
+} fl_op;
+#define FL_OP_IMM ...
+#define FL_NO_TRANSFER ...
 typedef struct fl_nic {
     struct fid_ep *ep; struct fid_cq *cq; void *desc; fi_addr_t dest; uint64_t remote_base; uint64_t rkey;
     int group; uint32_t max_in_flight; uint32_t ring_capacity; uint32_t in_flight;
@@ -246,6 +252,8 @@ typedef struct fl_engine {
     int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
     int (*stage_set_context)(void *context);
     void *stage_context;
+    volatile int64_t *transfers; uint32_t transfer_capacity;
+    volatile uint64_t *imm_keys, *imm_counts; uint32_t imm_capacity;
     ...;
 } fl_engine;
 fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
@@ -253,3 +261,7 @@ void fl_engine_free(fl_engine *e);
 int fl_write_run(fl_engine *e, const fl_config *cfg);
 int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s);
 uint64_t fl_now_ns(void);
+int fl_service_start(fl_engine *e, const fl_config *cfg);
+size_t fl_service_submit(fl_engine *e, const fl_op *ops, size_t count);
+void fl_service_stop(fl_engine *e);
+int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
