@@ -160,17 +160,18 @@ class NativeEngine:
     """An fl_engine over a NicSet: fills one fl_nic per slot and runs the C loops in a Python thread,
     so that Ctrl-C (KeyboardInterrupt) stops the engine and the interpreter stays usable."""
 
-    def __init__(self, nics: NicSet, registrations: list[memory.Registration]):
+    def __init__(self, nics: NicSet, registrations: list[memory.Registration] | None = None):
         self.nics = nics
         self._ptr = lib.fl_engine_new(len(nics.slots), RING_CAPACITY)
         if self._ptr == ffi.NULL:
             raise MemoryError("fl_engine_new")
-        for slot, reg in zip(nics.slots, registrations):
+        for slot in nics.slots:
             n = self._ptr.nics[slot.index]
             n.ep = slot.ep._ptr
             n.cq = slot.cq._ptr
-            n.desc = reg.mr.desc
             n.max_in_flight = max(1, slot.info.tx_size)
+            if registrations:
+                n.desc = registrations[slot.index].mr.desc
 
     def use_staging(self, registration: memory.Registration, outbound: bool) -> None:
         """Have the C threads copy each page between the GPU and the registered pinned copy."""
@@ -454,19 +455,7 @@ class MultiNicWriter(Writer):
         return cfg
 
     def worker_cores(self, threads: int) -> list[int]:
-        """Cores to pin worker threads to: given, or proposed by fabriclab.topology for the NICs' groups."""
-        allowed = sorted(os.sched_getaffinity(0))
-        if self.cores:
-            cores = list(self.cores)
-        else:
-            from . import topology
-            groups = [g for g in topology.Topology.discover(provider=self.stack.info.provider).groups if g.cores]
-            proposed = [c for g in groups for c in g.cores if c in allowed]
-            cores = proposed + [c for c in allowed if c not in proposed]  # core 0 etc. only when needed
-        if threads > len(cores):
-            raise fi.UsageError(f"{threads} pinned threads need as many cores, but only {len(cores)} are available "
-                                f"({', '.join(map(str, cores))}); use fewer threads")
-        return cores[:threads]
+        return worker_cores(threads, self.stack.info.provider, self.cores)
 
     def transfer(self, warmup: int = 0) -> EngineStats:
         """Run the whole plan in the engine. ``warmup`` (writes) is ignored: chapter 10's warm-up is one
@@ -495,6 +484,23 @@ class MultiNicWriter(Writer):
             self.nicset.close()
             self.nicset = None
         super().release()
+
+
+def worker_cores(threads: int, provider: str, cores: list[int] | None = None) -> list[int]:
+    """Cores to pin worker threads to: given, or proposed by fabriclab.topology for the NICs' groups
+    (then the rest of the allowed cores, core 0 last)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cores:
+        cores = list(cores)
+    else:
+        from . import topology
+        groups = [g for g in topology.Topology.discover(provider=provider).groups if g.cores]
+        proposed = [c for g in groups for c in g.cores if c in allowed]
+        cores = proposed + [c for c in allowed if c not in proposed]
+    if threads > len(cores):
+        raise fi.UsageError(f"{threads} pinned threads need as many cores, but only {len(cores)} are available "
+                            f"({', '.join(map(str, cores))}); use fewer threads")
+    return cores[:threads]
 
 
 # ----------------------------------------------------------------------------------------------- CLI
