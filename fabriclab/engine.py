@@ -278,10 +278,13 @@ class Peer:
         self.remote_slot = [i % n for i in range(len(engine._nics.slots))]
         self.fi_addrs = []
         for slot in engine._nics.slots:
+            address = addresses[self.remote_slot[slot.index]]
+            known = engine._av_entries.get((slot.index, address.raw))
             try:
-                self.fi_addrs.append(slot.av.insert(addresses[self.remote_slot[slot.index]]))
+                self.fi_addrs.append(known if known is not None else slot.av.insert(address))
             except fi.UsageError as exc:
                 raise InvalidDescriptor(f"engine address does not fit this engine: {exc}") from None
+            engine._av_entries[(slot.index, address.raw)] = self.fi_addrs[-1]
         self.closed = False
         self._next_nic = 0
 
@@ -337,14 +340,10 @@ class Peer:
                                    dst.astype(np.uint64) * page_size, lengths, imm, timeout)
 
     def close(self) -> None:
-        """Forget the peer (its addresses leave our address vectors); it may connect again later."""
-        if not self.closed:
-            self.closed = True
-            for slot, fi_addr in zip(self.engine._nics.slots, self.fi_addrs):
-                try:
-                    slot.av.remove(fi_addr)
-                except fi.FabricError:
-                    pass
+        """No more writes through this Peer; the peer (or its restarted self) may connect again later.
+        Its addresses stay in the address vectors, reused if they come back: removing and re-inserting
+        entries is where some providers (shm in libfabric 1.17) lose track of a peer."""
+        self.closed = True
 
     def __repr__(self) -> str:
         return f"<Peer {self.id:#x} over {self.nics} NIC(s){' closed' if self.closed else ''}>"
@@ -416,6 +415,7 @@ class Engine:
             self._nics.close()
             raise
         self._op_dtype = _op_dtype()
+        self._av_entries: dict[tuple, int] = {}  # (our NIC slot, peer's raw address) -> fi_addr
         self._free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
         self._pending: dict[int, tuple[Transfer, Region]] = {}
         self._zombies: dict[int, Region] = {}  # failed transfers whose writes are still in flight

@@ -1,0 +1,30 @@
+"""A peer process for the API tests: an Engine with one registered buffer that waits for writes.
+
+    python tests/api_peer.py PROVIDER DOMAIN SIZE
+prints its bootstrap port, swaps (address, descriptor) with the test over it, then answers commands
+read from stdin, one per line: "expect IMM COUNT" -> "landed COUNT sha256=..." (or "timeout"), "digest"."""
+import hashlib
+import sys
+
+import numpy as np
+
+from fabriclab import Engine, TransferTimeout, bootstrap
+
+provider, domain, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with Engine(provider, domains=None if domain == "-" else domain, pin=False, timeout=10) as engine:
+    buffer = np.zeros(size, dtype=np.uint8)
+    region = engine.register(buffer)
+    with bootstrap.Rendezvous() as rendezvous:
+        print(rendezvous.port, flush=True)
+        offer = engine.address + b"|" + region.descriptor()
+        rendezvous.exchange(len(engine.address).to_bytes(4, "little") + offer)
+    for line in sys.stdin:
+        words = line.split()
+        if words[0] == "expect":
+            try:
+                engine.expect(int(words[1]), int(words[2]), timeout=float(words[3])).result()
+                print(f"landed {words[2]} sha256={hashlib.sha256(buffer).hexdigest()}", flush=True)
+            except TransferTimeout:
+                print("timeout", flush=True)
+        elif words[0] == "digest":
+            print(f"sha256={hashlib.sha256(buffer).hexdigest()}", flush=True)

@@ -1,0 +1,225 @@
+"""fabriclab.Engine end to end between processes, its typed errors provoked for real, and no leaks."""
+import asyncio
+import gc
+import hashlib
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed, TransferError,
+                       TransferTimeout, bootstrap, fi)
+from conftest import open_fds
+
+PEER = os.path.join(os.path.dirname(__file__), "api_peer.py")
+PAGE = 65536
+
+
+class PeerProcess:
+    """tests/api_peer.py in another process: an engine with one buffer, waiting for writes."""
+
+    def __init__(self, fabric, size):
+        provider, domain = fabric
+        self.proc = subprocess.Popen([sys.executable, PEER, provider, domain or "-", str(size)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        port = int(self.proc.stdout.readline())
+        reply = bootstrap.exchange(port, b"hello")
+        split = int.from_bytes(reply[:4], "little")
+        self.address, self.descriptor = reply[4:4 + split], reply[5 + split:]
+
+    def ask(self, line):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().strip()
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def engine(fabric):
+    with Engine(fabric[0], domains=fabric[1], pin=False, timeout=10) as e:
+        yield e
+
+
+def pages_of(seed, n):
+    return np.random.default_rng(seed).integers(0, 256, size=n * PAGE, dtype=np.uint8)
+
+
+def test_paged_write_lands_byte_exact_and_is_counted(fabric, engine):
+    peer_proc = PeerProcess(fabric, 32 * PAGE)
+    try:
+        data = pages_of(1, 16)
+        region = engine.register(data)
+        peer = engine.connect(peer_proc.address)
+        # pages 0..15 here go to pages 31, 29, ..., 1 there
+        dst = list(range(31, 0, -2))
+        done = peer.write_pages(region, range(16), peer_proc.descriptor, dst, PAGE, imm=5)
+        result = done.result(timeout=10)
+        assert result.writes == 16 and result.bytes == 16 * PAGE and result.buffer_safe
+        want = np.zeros(32 * PAGE, dtype=np.uint8)
+        for i, d in enumerate(dst):
+            want[d * PAGE:(d + 1) * PAGE] = data[i * PAGE:(i + 1) * PAGE]
+        assert peer_proc.ask("expect 5 16 10") == f"landed 16 sha256={hashlib.sha256(want).hexdigest()}"
+        per_nic = engine.stats()["per_nic"]
+        assert sum(n["completions"] for n in per_nic) >= 16
+    finally:
+        peer_proc.close()
+
+
+def test_plain_write_with_offsets_and_asyncio(fabric, engine):
+    peer_proc = PeerProcess(fabric, 4 * PAGE)
+    try:
+        data = pages_of(2, 4)
+        region = engine.register(data)
+        peer = engine.connect(peer_proc.address)
+
+        async def main():
+            return await peer.write(region, peer_proc.descriptor, src_offset=100, dst_offset=7, length=3 * PAGE,
+                                    imm=9, stripe_bytes=PAGE)
+
+        result = asyncio.run(main())
+        assert result.writes == 3
+        want = np.zeros(4 * PAGE, dtype=np.uint8)
+        want[7:7 + 3 * PAGE] = data[100:100 + 3 * PAGE]
+        assert peer_proc.ask("expect 9 3 10") == f"landed 3 sha256={hashlib.sha256(want).hexdigest()}"
+    finally:
+        peer_proc.close()
+
+
+def test_one_writer_two_peers_one_joining_late(fabric, engine):
+    first = PeerProcess(fabric, 8 * PAGE)
+    try:
+        weights = pages_of(3, 8)
+        region = engine.register(weights)
+        engine.connect(first.address).write_pages(region, range(8), first.descriptor, range(8), PAGE, imm=1).result(10)
+        late = PeerProcess(fabric, 8 * PAGE)  # joins while the writer is up
+        try:
+            engine.connect(late.address).write_pages(region, range(8), late.descriptor, range(8), PAGE, imm=1).result(10)
+            digest = hashlib.sha256(weights).hexdigest()
+            assert first.ask("expect 1 8 10") == f"landed 8 sha256={digest}"
+            assert late.ask("expect 1 8 10") == f"landed 8 sha256={digest}"
+        finally:
+            late.close()
+    finally:
+        first.close()
+
+
+def test_a_restarted_peer_can_be_connected_again(fabric, engine):
+    data = pages_of(4, 2)
+    region = engine.register(data)
+    for _ in range(2):
+        peer_proc = PeerProcess(fabric, 2 * PAGE)
+        try:
+            peer = engine.connect(peer_proc.address)
+            peer.write_pages(region, [0, 1], peer_proc.descriptor, [0, 1], PAGE, imm=3).result(10)
+            assert peer_proc.ask("expect 3 2 10") == f"landed 2 sha256={hashlib.sha256(data).hexdigest()}"
+            peer.close()
+        finally:
+            peer_proc.kill()
+
+
+def test_killed_peer_is_peer_lost_or_timeout_never_a_hang(fabric):
+    with Engine(fabric[0], domains=fabric[1], pin=False, timeout=3) as engine:
+        peer_proc = PeerProcess(fabric, 64 * PAGE)
+        region = engine.register(pages_of(5, 64))
+        peer = engine.connect(peer_proc.address)
+        peer.write_pages(region, range(64), peer_proc.descriptor, range(64), PAGE).result(10)
+        peer_proc.kill()
+        start = time.monotonic()
+        with pytest.raises((PeerLost, TransferTimeout)) as err:
+            for _ in range(50):
+                peer.write_pages(region, range(64), peer_proc.descriptor, range(64), PAGE).result(10)
+        assert time.monotonic() - start < 15
+        assert isinstance(err.value.buffer_safe, bool)
+
+
+def test_expired_deadline(engine):
+    future = engine.expect(77, 1, timeout=0.3)
+    with pytest.raises(TransferTimeout, match="imm 77"):
+        future.result(5)
+
+
+def test_closed_region(fabric, engine):
+    peer_proc = PeerProcess(fabric, 2 * PAGE)
+    try:
+        region = engine.register(pages_of(6, 2))
+        peer = engine.connect(peer_proc.address)
+        region.close()
+        with pytest.raises(RegionClosed) as err:
+            peer.write_pages(region, [0], peer_proc.descriptor, [0], PAGE)
+        assert err.value.buffer_safe
+        with pytest.raises(RegionClosed):
+            region.descriptor()
+    finally:
+        peer_proc.close()
+
+
+def test_forged_and_truncated_descriptors_and_addresses(fabric, engine):
+    peer_proc = PeerProcess(fabric, 2 * PAGE)
+    try:
+        region = engine.register(pages_of(7, 2))
+        peer = engine.connect(peer_proc.address)
+        forged = bytearray(peer_proc.descriptor)
+        forged[30] ^= 0x40  # flip a bit of the key
+        for bad in (bytes(forged), peer_proc.descriptor[:-9], b"", b"FLRG" + b"\0" * 40, region.descriptor()):
+            with pytest.raises(InvalidDescriptor):
+                peer.write_pages(region, [0], bad, [0], PAGE)
+        for bad in (peer_proc.address[:-3], b"nonsense", b""):
+            with pytest.raises(InvalidDescriptor):
+                engine.connect(bad)
+    finally:
+        peer_proc.close()
+
+
+def test_pages_out_of_range_are_refused_before_any_post(fabric, engine):
+    peer_proc = PeerProcess(fabric, 2 * PAGE)
+    try:
+        region = engine.register(pages_of(8, 2))
+        peer = engine.connect(peer_proc.address)
+        before = sum(n["writes"] for n in engine.stats()["per_nic"])
+        for src, dst in (([2], [0]), ([0], [2]), ([-1], [0])):
+            with pytest.raises(OutOfRange):
+                peer.write_pages(region, src, peer_proc.descriptor, dst, PAGE)
+        with pytest.raises(OutOfRange):
+            peer.write(region, peer_proc.descriptor, dst_offset=PAGE, length=PAGE + 1)
+        assert sum(n["writes"] for n in engine.stats()["per_nic"]) == before
+    finally:
+        peer_proc.close()
+
+
+def test_registration_accepts_buffers_and_refuses_the_rest(engine):
+    for ok in (bytearray(100), np.zeros(10, np.float32), memoryview(bytearray(8))):
+        engine.register(ok).close()
+    for bad, message in ((b"read only", "read-only"), (object(), "no buffer protocol"), (bytearray(), "empty")):
+        with pytest.raises(fi.UsageError, match=message):
+            engine.register(bad)
+
+
+def test_lifecycles_do_not_leak():
+    def cycle():
+        with Engine("shm", pin=False) as a, Engine("shm", pin=False) as b:
+            src, dst = a.register(np.ones(PAGE, np.uint8)), b.register(np.zeros(PAGE, np.uint8))
+            a.connect(b.address).write_pages(src, [0], dst.descriptor(), [0], PAGE).result(10)
+            src.close()
+            dst.close()
+
+    for _ in range(10):
+        cycle()
+    gc.collect()
+    fds, rss = open_fds(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for _ in range(250):  # 500 engines, with a peer and a region each
+        cycle()
+    gc.collect()
+    assert open_fds() <= fds
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 64 * 1024  # KiB: no steady growth
