@@ -329,10 +329,88 @@ def progression(chapters=None, **kw) -> list[BenchResult]:
     return out
 
 
+def api_target() -> None:
+    """The far side of ``--api``: an Engine with one buffer; swaps (address, descriptor) over the
+    bootstrap socket, then serves until its standard input closes. Arguments: provider domains nics
+    threads bytes (``-`` for none)."""
+    from . import bootstrap
+    from .engine import Engine
+    provider, domains, nics, threads, size = sys.argv[1:6]
+    with Engine(provider, domains=None if domains == "-" else domains, nics=None if nics == "-" else int(nics),
+                threads=int(threads)) as engine:
+        region = engine.register(np.zeros(int(size), dtype=np.uint8))
+        with bootstrap.Rendezvous() as rendezvous:
+            print(rendezvous.port, flush=True)
+            rendezvous.exchange(len(engine.address).to_bytes(4, "little") + engine.address + region.descriptor())
+        sys.stdin.read()
+
+
+def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 256, outstanding: int = 8) -> dict:
+    """The same workload through ``Engine.write_pages`` (pages in calls of ``batch_pages``, up to
+    ``outstanding`` calls in flight) and through the stage-15 path (``batched``), plus the Python cost
+    of one ``write_pages`` call of 1, 16 and 256 pages."""
+    import subprocess
+    from . import bootstrap
+    from .engine import Engine
+    raw = run(BenchConfig(**{**asdict(config), "stage": "batched", "verify": False}))
+    plan = rdma_write.PagePlan.for_total(config.page_size, config.total)
+    provider = raw.provider
+    target = subprocess.Popen([sys.executable, "-c", "from fabriclab.bench import api_target; api_target()", provider,
+                               config.domain or "-", str(config.nics or "-"), str(config.threads),
+                               str(plan.buffer_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(target.stdout.readline())
+        reply = bootstrap.exchange(port, b"bench")
+        split = int.from_bytes(reply[:4], "little")
+        address, descriptor = reply[4:4 + split], reply[4 + split:]
+        with Engine(provider, domains=config.domain, nics=config.nics, threads=config.threads,
+                    timeout=config.timeout) as engine:
+            source = np.frombuffer(np.random.default_rng(1).bytes(plan.buffer_bytes), dtype=np.uint8).copy()
+            region = engine.register(source)
+            peer = engine.connect(address)
+            whole = plan.buffer_bytes // plan.page_size
+            pages = np.arange(plan.writes) % whole
+            peer.write_pages(region, pages[:min(whole, 64)], descriptor, pages[:min(whole, 64)],
+                             plan.page_size).result()  # warm-up
+            in_flight = []
+            t0 = time.perf_counter()
+            for start in range(0, pages.size, batch_pages):
+                chunk = pages[start:start + batch_pages]
+                in_flight.append(peer.write_pages(region, chunk, descriptor, chunk, plan.page_size))
+                if len(in_flight) >= outstanding:
+                    in_flight.pop(0).result()
+            for t in in_flight:
+                t.result()
+            elapsed = time.perf_counter() - t0
+            api_gbps = pages.size * plan.page_size * 8 / elapsed / 1e9
+            overhead = {}
+            for n in calls:
+                chunk = pages[:min(n, whole)]
+                spent, transfers = 0.0, []
+                for _ in range(50):
+                    c0 = time.perf_counter()
+                    transfers.append(peer.write_pages(region, chunk, descriptor, chunk, plan.page_size))
+                    spent += time.perf_counter() - c0
+                    if len(transfers) >= outstanding:
+                        transfers.pop(0).result()
+                for t in transfers:
+                    t.result()
+                overhead[n] = spent / 50 * 1e6
+    finally:
+        target.stdin.close()
+        target.wait(30)
+    return {"raw_gbps": raw.gbps, "api_gbps": api_gbps, "ratio": api_gbps / raw.gbps if raw.gbps else 0.0,
+            "us_per_call": overhead, "page_size": plan.page_size, "threads": config.threads, "nics": raw.nics,
+            "provider": provider}
+
+
 def add_arguments(p) -> None:
     cli.add_fabric_options(p)
     p.set_defaults(timeout=30.0)
     p.add_argument("--stage", default="opqueue", help=f"one of {', '.join(STAGES)} (default opqueue)")
+    p.add_argument("--api", action="store_true",
+                   help="the same workload through fabriclab.Engine.write_pages and the stage-15 path, with the "
+                        "Python cost per write_pages call")
     p.add_argument("--progression", action="store_true",
                    help="run chapters 7, 9-15 one after the other (each with its own techniques only)")
     p.add_argument("--page-size", type=cli.positive_size, default=64 << 10, help="bytes per write (default 64K)")
@@ -407,6 +485,16 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
 
 def main(args) -> int:
     config = config_from_args(args)
+    if args.api:
+        r = api_comparison(config)
+        print(f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {_size(r['page_size'])} pages: "
+              f"stage-15 path {r['raw_gbps']:.2f} Gbps, Engine.write_pages {r['api_gbps']:.2f} Gbps "
+              f"({r['ratio'] * 100:.1f} % of it)")
+        print("Python cost per write_pages call: " + ", ".join(f"{n} page(s) {us:.1f} us"
+                                                              for n, us in r["us_per_call"].items()))
+        if args.json:
+            print(json.dumps(r))
+        return 0
     if args.progression:
         results = progression(**asdict(config))
     else:

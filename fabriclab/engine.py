@@ -199,6 +199,7 @@ class Region:
             raise fi.UsageError(f"provider {engine.provider} cannot register GPU memory here "
                                 f"({self.registrations[0].why}); the engine API needs FI_HMEM — use host memory")
         self.descs = [int(ffi.cast("uintptr_t", r.mr.desc)) for r in self.registrations]
+        self._descs = np.asarray(self.descs, dtype=np.uint64)
         self.keys = [r.mr.key for r in self.registrations]
         self.bases = [r.mr.remote_base for r in self.registrations]
         self.in_use = 0
@@ -287,9 +288,19 @@ class Peer:
             engine._av_entries[(slot.index, address.raw)] = self.fi_addrs[-1]
         self.closed = False
         self._next_nic = 0
+        self._parsed: dict[bytes, RemoteRegion] = {}
+        self._fi_addrs = np.asarray(self.fi_addrs, dtype=np.uint64)
+        self._remote_slots = np.asarray(self.remote_slot, dtype=np.int64)
 
     def _remote(self, descriptor) -> RemoteRegion:
-        remote = descriptor if isinstance(descriptor, RemoteRegion) else RemoteRegion.parse(descriptor)
+        if isinstance(descriptor, RemoteRegion):
+            remote = descriptor
+        else:
+            remote = self._parsed.get(descriptor) if isinstance(descriptor, bytes) else None
+            if remote is None:
+                remote = RemoteRegion.parse(descriptor)
+                if len(self._parsed) < 1024:
+                    self._parsed[bytes(descriptor)] = remote
         if remote.engine_id != self.id:
             raise InvalidDescriptor("that region belongs to another engine than this peer")
         if len(remote.keys) != self.nics:
@@ -539,33 +550,31 @@ class Engine:
         if imm is not None and not 0 <= int(imm) < (1 << 32):
             raise fi.UsageError(f"imm must fit 32 bits (EFA's completion data), got {imm}")
         n = lengths.size
-        with self._lock:
-            if not self._free_ids:
-                raise TransferError("too many transfers in flight", buffer_safe=True)
-            tid = self._free_ids.pop()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         transfer = Transfer(n, int(lengths.sum()), deadline)
-        ops = np.zeros(n, dtype=self._op_dtype)
+        ops = np.empty(n, dtype=self._op_dtype)
         slots = len(self._nics.slots)
         nic = (peer._next_nic + np.arange(n)) % slots
         peer._next_nic = int((peer._next_nic + n) % slots)
-        rslot = np.asarray(peer.remote_slot)[nic]
+        rslot = peer._remote_slots[nic]
         ops["local"] = region.address + local_offsets
         ops["remote"] = np.asarray(remote.bases, dtype=np.uint64)[rslot] + remote_offsets
         ops["rkey"] = np.asarray(remote.keys, dtype=np.uint64)[rslot]
         ops["len"] = lengths
-        ops["desc"] = np.asarray(region.descs, dtype=np.uint64)[nic]
-        ops["dest"] = np.asarray(peer.fi_addrs, dtype=np.uint64)[nic]
-        ops["transfer"] = tid
+        ops["desc"] = region._descs[nic]
+        ops["dest"] = peer._fi_addrs[nic]
         ops["nic"] = nic
-        if imm is not None:
-            ops["imm"] = int(imm)
-            ops["flags"] = lib.FL_OP_IMM
-        self._transfers[2 * tid] = n
-        self._transfers[2 * tid + 1] = 0
+        ops["imm"] = 0 if imm is None else int(imm)
+        ops["flags"] = 0 if imm is None else lib.FL_OP_IMM
         with self._lock:
+            if not self._free_ids:
+                raise TransferError("too many transfers in flight", buffer_safe=True)
+            tid = self._free_ids.pop()
+            self._transfers[2 * tid] = n
+            self._transfers[2 * tid + 1] = 0
             self._pending[tid] = (transfer, region)
             region.in_use += 1
+        ops["transfer"] = tid
         pointer = ffi.cast("fl_op *", ops.ctypes.data)
         taken = 0
         while taken < n:
@@ -635,7 +644,7 @@ class Engine:
                 idle = 0.0
                 continue
             busy = pending or expectations or zombies
-            idle = min(idle * 2 or 0.00005, 0.002) if busy else 0.05
+            idle = min(idle * 2 or 0.0002, 0.002) if busy else 0.05
             self._wake.wait(idle)
             self._wake.clear()
 
