@@ -458,10 +458,12 @@ class Engine:
 
     @property
     def nics(self) -> int:
+        """How many NIC slots this engine drives (real ones plus emulated ones)."""
         return len(self._nics.slots)
 
     @property
     def emulated_nics(self) -> int:
+        """How many of the NIC slots are emulated: extra endpoints sharing a real domain."""
         return self._nics.emulated
 
     def register(self, buffer) -> Region:
@@ -471,7 +473,7 @@ class Engine:
         return Region(self, buffer)
 
     def connect(self, address) -> Peer:
-        """A peer, from the bytes of its ``engine.address``. Any time, in any order; no world."""
+        """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world."""
         self._check_open()
         return Peer(self, address)
 
@@ -547,8 +549,9 @@ class Engine:
             raise fi.UsageError("that peer was closed; connect again")
         if region.engine is not self:
             raise fi.UsageError("that region was registered with another engine")
-        if imm is not None and not 0 <= int(imm) < (1 << 32):
-            raise fi.UsageError(f"imm must fit 32 bits (EFA's completion data), got {imm}")
+        if imm is not None and not 0 <= int(imm) < lib.FL_NO_IMM:
+            raise fi.UsageError(f"imm must be below 2**32 - 1 (EFA carries 32 bits; the top value is reserved), "
+                                f"got {imm}")
         n = lengths.size
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         transfer = Transfer(n, int(lengths.sum()), deadline)
@@ -564,8 +567,10 @@ class Engine:
         ops["desc"] = region._descs[nic]
         ops["dest"] = peer._fi_addrs[nic]
         ops["nic"] = nic
-        ops["imm"] = 0 if imm is None else int(imm)
-        ops["flags"] = 0 if imm is None else lib.FL_OP_IMM
+        # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
+        # worker threads see traffic arrive and keep polling: software providers need the target to poll.
+        ops["imm"] = lib.FL_NO_IMM if imm is None else int(imm)
+        ops["flags"] = lib.FL_OP_IMM
         with self._lock:
             if not self._free_ids:
                 raise TransferError("too many transfers in flight", buffer_safe=True)

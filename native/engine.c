@@ -225,7 +225,7 @@ static void transfer_done(fl_engine *e, uint32_t transfer, int error) {
 }
 
 static void count_imm(fl_engine *e, uint64_t imm) {
-    if (!e->imm_keys) return;
+    if (!e->imm_keys || imm == FL_NO_IMM) return;
     uint64_t key = imm + 1, mask = e->imm_capacity - 1;
     for (uint64_t probe = 0; probe <= mask; probe++) {
         uint64_t i = (imm * 0x9E3779B97F4A7C15ull + probe) & mask;
@@ -765,7 +765,8 @@ static void *service_thread(void *arg) {
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
     uint32_t idle = 0;
-    t->last_progress_ns = fl_now_ns();
+    uint64_t quiet_since = fl_now_ns();
+    t->last_progress_ns = quiet_since;
     while (!stopping(e)) {
         int busy = drain_inbox(t, (uint32_t)cfg->batch * 64);
         uint32_t outstanding = 0;
@@ -779,11 +780,16 @@ static void *service_thread(void *arg) {
         }
         if (busy || outstanding) {
             idle = 0;
-            t->last_progress_ns = fl_now_ns();
-        } else if (++idle > 4096) {
-            /* nothing to do: poll (software providers need it for incoming writes) a little less often */
-            struct timespec pause = {0, 20000};
-            nanosleep(&pause, NULL);
+        } else if ((++idle & 4095) == 0) {
+            /* Nothing sent or received for a while (every write carries immediate data, so a target
+             * sees its peers' traffic): keep polling — software providers need it for incoming
+             * writes — but every 20 us instead of spinning, once 10 ms have passed quietly. */
+            uint64_t now = fl_now_ns();
+            if (idle == 4096) quiet_since = now;
+            if (now - quiet_since > 10000000ull) {
+                struct timespec pause = {0, 20000};
+                nanosleep(&pause, NULL);
+            }
         }
     }
     return NULL;

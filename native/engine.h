@@ -29,6 +29,7 @@ typedef struct fl_op {
 } fl_op;
 #define FL_OP_IMM 1u
 #define FL_NO_TRANSFER 0xffffffffu
+#define FL_NO_IMM 0xffffffffull /* sent when the caller gave none, so targets still see traffic */
 
 /* One NIC slot: an endpoint and what it needs to write to (or count writes from) its peer slot.
  * Aligned to a cache line so that threads owning different NICs never share one. */
