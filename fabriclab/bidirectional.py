@@ -240,10 +240,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve(args, cli.StopSignal(args.until_stdin_closes))
-    return connect(args)
+    return cli.stage_main(build_parser(), serve, connect, argv)
 
 
 if __name__ == "__main__":

@@ -86,6 +86,14 @@ def stage_parser(description: str) -> tuple[argparse.ArgumentParser, argparse.Ar
     return parser, serve, connect
 
 
+def stage_main(parser: argparse.ArgumentParser, serve, connect, argv=None) -> int:
+    """A stage's entry point: ``serve`` (stopped by signals or stdin closing) or ``connect``."""
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args, StopSignal(args.until_stdin_closes))
+    return connect(args)
+
+
 def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> None:
     """Run a command's main; bad input and fabric errors end it with one line on stderr, never a traceback."""
     try:
@@ -99,4 +107,7 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:  # output piped into head and the like
+        sys.stderr.close()
+        sys.exit(0)
     sys.exit(code or 0)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import fi, memory, multi_nic
+from . import fi, multi_nic
 from ._fabric import ffi, lib
 
 __all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "TransferError", "PeerLost",

@@ -22,7 +22,7 @@ import time
 import weakref
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 # libfabric's psm providers load libinfinipath, which installs its own SIGINT/SIGTERM/SIGSEGV handlers
 # that end the process without Python's cleanup (no KeyboardInterrupt) unless told not to.

@@ -144,6 +144,19 @@ class _SlotStack:
         return fi.MemoryRegion(self.domain, buffer, endpoint=self.ep, **kw)
 
 
+def release_nics(owner) -> None:
+    """Close an owner's engine, registrations and NIC set, in that order (children before parents)."""
+    if owner.engine is not None:
+        owner.engine.close()
+        owner.engine = None
+    for reg in unique_registrations(owner.registrations):
+        reg.close()
+    owner.registrations = []
+    if owner.nicset is not None:
+        owner.nicset.close()
+        owner.nicset = None
+
+
 def unique_registrations(registrations: list[memory.Registration]) -> list[memory.Registration]:
     seen, out = set(), []
     for reg in registrations:
@@ -332,15 +345,7 @@ class MultiNicTarget(rdma_write.Target):
             self.engine._ptr.stop = 1
             self._loop.join(5)
         self._loop = None
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        for reg in unique_registrations(self.registrations):
-            reg.close()
-        self.registrations = []
-        if self.nicset is not None:
-            self.nicset.close()
-            self.nicset = None
+        release_nics(self)
         super().release()
 
     def handle(self, m: bidirectional.Message) -> None:
@@ -474,15 +479,7 @@ class MultiNicWriter(Writer):
                            groups=cfg.groups, per_nic=self.engine.counters())
 
     def release(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        for reg in unique_registrations(self.registrations):
-            reg.close()
-        self.registrations = []
-        if self.nicset is not None:
-            self.nicset.close()
-            self.nicset = None
+        release_nics(self)
         super().release()
 
 
@@ -507,16 +504,8 @@ def worker_cores(threads: int, provider: str, cores: list[int] | None = None) ->
 
 
 def serve(args, stop: cli.StopSignal) -> int:
-    with memory.open_endpoint(args.provider, (args.domain or "").split(",")[0] or None, args.memory) as stack:
-        target = MultiNicTarget(stack, stack.info.provider, args.domain, timeout=args.timeout)
-        print(target.address.hex(), flush=True)
-        print(f"multi-NIC target on {stack.info.provider}: control endpoint {stack.ep.address().describe()}",
-              flush=True)
-        try:
-            target.serve(stop)
-        finally:
-            target.release()
-    return 0
+    return rdma_write.serve_target(lambda stack: MultiNicTarget(stack, stack.info.provider, args.domain,
+                                                                timeout=args.timeout), args, stop)
 
 
 def writer_from_args(cls, stack, args) -> MultiNicWriter:
@@ -530,17 +519,9 @@ def add_engine_options(parser) -> None:
 
 
 def connect_with(cls, args) -> int:
-    plan = PagePlan.for_total(args.page_size, args.total)
-    control_domain = (args.domain or "").split(",")[0] or None
-    with memory.open_endpoint(args.provider, control_domain, "host") as stack:
-        writer = writer_from_args(cls, stack, args)
-        writer.prepare(plan, args.memory)
-        stats = writer.transfer()
-        report = writer.finish()
-        print(f"{writer.nicset.describe()}\n{stats.writes} writes, {stats.bytes} bytes in {stats.elapsed_s:.3f} s = "
-              f"{stats.gbps:.2f} Gbps, {stats.mops:.3f} Mops/s; landed {report.arrivals}, verified {report.verified}")
-        writer.release()
-        writer.close()
+    paths, stats, report, nics = rdma_write.run_writer(lambda stack: writer_from_args(cls, stack, args), args)
+    print(f"{nics}\n{stats.writes} writes, {stats.bytes} bytes in {stats.elapsed_s:.3f} s = {stats.gbps:.2f} Gbps, "
+          f"{stats.mops:.3f} Mops/s; landed {report.arrivals}, verified {report.verified}")
     return 0 if report.verified else 1
 
 
@@ -554,10 +535,7 @@ def build_parser(add_options=add_engine_options):
 
 
 def main(argv=None, cls=MultiNicWriter, add_options=add_engine_options) -> int:
-    args = build_parser(add_options).parse_args(argv)
-    if args.command == "serve":
-        return serve(args, cli.StopSignal(args.until_stdin_closes))
-    return connect_with(cls, args)
+    return cli.stage_main(build_parser(add_options), serve, lambda args: connect_with(cls, args), argv)
 
 
 if __name__ == "__main__":

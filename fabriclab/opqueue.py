@@ -16,7 +16,7 @@ import time
 from typing import Callable
 
 from . import cli, fi, memory, rdma_write
-from .rdma_write import PagePlan, Writer
+from .rdma_write import Writer
 
 DEFAULT_IN_FLIGHT = 64
 
@@ -106,14 +106,8 @@ class QueuedWriter(Writer):
 
 
 def connect(args) -> int:
-    plan = PagePlan.for_total(args.page_size, args.total)
-    with memory.open_endpoint(args.provider, args.domain, args.memory) as stack:
-        writer = QueuedWriter(stack, args.address, args.timeout, args.in_flight)
-        paths = writer.prepare(plan, args.memory)
-        stats = writer.transfer()
-        report = writer.finish()
-        writer.release()
-        writer.close()
+    paths, stats, report, _ = rdma_write.run_writer(
+        lambda stack: QueuedWriter(stack, args.address, args.timeout, args.in_flight), args)
     print(f"{stats.writes} writes, {stats.bytes} bytes in {stats.elapsed_s:.3f} s = {stats.gbps:.2f} Gbps "
           f"({args.in_flight} in flight, {stats.eagain} EAGAIN); memory {paths['local']} -> {paths['remote_path']}; "
           f"landed {report.arrivals}, verified {report.verified}")
@@ -129,10 +123,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return rdma_write.serve(args, cli.StopSignal(args.until_stdin_closes))
-    return connect(args)
+    return cli.stage_main(build_parser(), rdma_write.serve, connect, argv)
 
 
 if __name__ == "__main__":

@@ -343,12 +343,14 @@ class Writer(Client):
             self.source = None
 
 
-def serve(args, stop: cli.StopSignal) -> int:
-    with memory.open_endpoint(args.provider, args.domain, args.memory) as stack:
-        target = Target(stack, timeout=args.timeout)
+def serve_target(make_target, args, stop) -> int:
+    """Open the control endpoint, print its address line, serve writers until ``stop``."""
+    control_domain = (args.domain or "").split(",")[0] or None
+    with memory.open_endpoint(args.provider, control_domain, args.memory) as stack:
+        target = make_target(stack)
         print(target.address.hex(), flush=True)
-        print(f"target on {stack.info.provider} domain {stack.info.domain}: {stack.ep.address().describe()}",
-              flush=True)
+        print(f"{type(target).__name__} on {stack.info.provider} domain {stack.info.domain}: "
+              f"{stack.ep.address().describe()}", flush=True)
         try:
             target.serve(stop)
         finally:
@@ -356,15 +358,27 @@ def serve(args, stop: cli.StopSignal) -> int:
     return 0
 
 
-def connect(args) -> int:
+def serve(args, stop: cli.StopSignal) -> int:
+    return serve_target(lambda stack: Target(stack, timeout=args.timeout), args, stop)
+
+
+def run_writer(make_writer, args):
+    """One whole transfer from the command line: (writer's memory paths, WriteStats, Report)."""
     plan = PagePlan.for_total(args.page_size, args.total)
-    with memory.open_endpoint(args.provider, args.domain, args.memory) as stack:
-        writer = Writer(stack, args.address, args.timeout)
+    control_domain = (args.domain or "").split(",")[0] or None
+    with memory.open_endpoint(args.provider, control_domain, args.memory) as stack:
+        writer = make_writer(stack)
         paths = writer.prepare(plan, args.memory)
         stats = writer.transfer()
         report = writer.finish()
+        description = writer.nicset.describe() if getattr(writer, "nicset", None) else ""
         writer.release()
         writer.close()
+    return paths, stats, report, description
+
+
+def connect(args) -> int:
+    paths, stats, report, _ = run_writer(lambda stack: Writer(stack, args.address, args.timeout), args)
     print(f"{stats.writes} writes, {stats.bytes} bytes in {stats.elapsed_s:.3f} s = {stats.gbps:.2f} Gbps; "
           f"memory {paths['local']} -> {paths['remote_path']}; landed {report.arrivals}, verified {report.verified}")
     return 0 if report.verified else 1
@@ -386,10 +400,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve(args, cli.StopSignal(args.until_stdin_closes))
-    return connect(args)
+    return cli.stage_main(build_parser(), serve, connect, argv)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,11 @@ def run_lessons(lessons: pathlib.Path, out_dir: pathlib.Path, cell_timeout: int 
     return failures
 
 
+def add_arguments(p) -> None:
+    p.add_argument("--lessons", default="lessons", help="folder of lesson notebooks (default %(default)s)")
+    p.add_argument("--out", default="build/lessons", help="where executed notebooks go (default %(default)s)")
+
+
 def main(args) -> int:
     lessons, out_dir = pathlib.Path(args.lessons), pathlib.Path(args.out)
     failures = run_lessons(lessons, out_dir)

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed, TransferError,
+from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed,
                        TransferTimeout, bootstrap, fi)
 from conftest import open_fds
 
