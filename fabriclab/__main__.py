@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -63,7 +64,7 @@ def print_info(report: dict) -> None:
         print(f"GPUs: none ({report['cuda']})")
 
 
-def cmd_info(args) -> int:
+def main_info(args) -> int:
     report = info_report()
     if args.json:
         print(json.dumps(report))
@@ -72,70 +73,44 @@ def cmd_info(args) -> int:
     return 0
 
 
-def cmd_tour(args) -> int:
-    from . import tour
-    return tour.main(args)
+def add_info_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="one JSON object")
 
 
-def _tour_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lessons", default="lessons", help="folder of lesson notebooks (default %(default)s)")
-    p.add_argument("--out", default="build/lessons", help="where executed notebooks go (default %(default)s)")
-
-
-def cmd_testbed(args) -> int:
-    from . import testbed
-    return testbed.cli_main(args)
-
-
-def _testbed_args(p: argparse.ArgumentParser) -> None:
-    from . import testbed
-    testbed.add_arguments(p)
-
-
-def cmd_topo(args) -> int:
-    from . import topology
-    return topology.main(args)
-
-
-def _topo_args(p: argparse.ArgumentParser) -> None:
-    from . import topology
-    topology.add_arguments(p)
-
-
-def cmd_bench(args) -> int:
-    from . import bench
-    return bench.main(args)
-
-
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    from . import bench
-    bench.add_arguments(p)
-
-
+#: command -> (help, module (imported only when used), its entry point, its argument setup)
 COMMANDS = {
-    "info": ("providers, domains/NICs, FI_HMEM support and CUDA devices on this machine", cmd_info,
-             lambda p: p.add_argument("--json", action="store_true", help="one JSON object")),
-    "bench": ("the one benchmark harness: Gbps, Mops/s, ns of CPU per write, memcpy ceiling", cmd_bench,
-              _bench_args),
-    "tour": ("run every lesson headless and print the measured figures beside the article's", cmd_tour, _tour_args),
+    "info": ("providers, domains/NICs, FI_HMEM support and CUDA devices on this machine",
+             "fabriclab.__main__", "main_info", "add_info_arguments"),
+    "bench": ("the one benchmark harness: Gbps, Mops/s, ns of CPU per write, memcpy ceiling",
+              "fabriclab.bench", "main", "add_arguments"),
+    "tour": ("run every lesson headless and print the measured figures beside the article's",
+             "fabriclab.tour", "main", "add_arguments"),
     "testbed": ("two network namespaces joined by N shaped veth links, a small p5: up, down, status, link-down, "
-                "link-up", cmd_testbed, _testbed_args),
+                "link-up", "fabriclab.testbed", "cli_main", "add_arguments"),
     "topo": ("GPU <-> NIC <-> NUMA <-> CPU layout and the proposed NIC groups and cores (or a recorded one: "
-             "--recorded p5.48xlarge)", cmd_topo, _topo_args),
+             "--recorded p5.48xlarge)", "fabriclab.topology", "main", "add_arguments"),
+    "apidoc": ("the API reference of fabriclab.Engine and fabriclab.bootstrap, rendered from the docstrings into "
+               "Markdown; fails on a docstring reference that does not resolve", "fabriclab.apidoc", "main",
+               "add_arguments"),
 }
+
+
+def _entry(command: str, which: int):
+    _, module, *names = COMMANDS[command]
+    return getattr(importlib.import_module(module), names[which])
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fabriclab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, _, add_args) in COMMANDS.items():
-        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    for name, (help_text, *_) in COMMANDS.items():
+        _entry(name, 1)(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command][1](args)
+    return _entry(args.command, 0)(args)
 
 
 def entry() -> None:
