@@ -336,8 +336,9 @@ def api_target() -> None:
     from . import bootstrap
     from .engine import Engine
     provider, domains, nics, threads, size = sys.argv[1:6]
+    # unpinned, like the stage-15 target: two engines pinned on one host would share the same cores
     with Engine(provider, domains=None if domains == "-" else domains, nics=None if nics == "-" else int(nics),
-                threads=int(threads)) as engine:
+                threads=int(threads), pin=False) as engine:
         region = engine.register(np.zeros(int(size), dtype=np.uint8))
         with bootstrap.Rendezvous() as rendezvous:
             print(rendezvous.port, flush=True)
@@ -363,8 +364,9 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
         reply = bootstrap.exchange(port, b"bench")
         split = int.from_bytes(reply[:4], "little")
         address, descriptor = reply[4:4 + split], reply[4 + split:]
-        with Engine(provider, domains=config.domain, nics=config.nics, threads=config.threads,
-                    timeout=config.timeout) as engine:
+        with Engine(provider, domains=config.domain, nics=config.nics, threads=config.threads, pin=config.pin,
+                    batch=config.batch, fi_more=config.fi_more, timeout=config.timeout,
+                    in_flight=config.in_flight) as engine:
             source = np.frombuffer(np.random.default_rng(1).bytes(plan.buffer_bytes), dtype=np.uint8).copy()
             region = engine.register(source)
             peer = engine.connect(address)

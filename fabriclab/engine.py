@@ -378,7 +378,8 @@ class Engine:
     ``provider``/``domains``/``nics`` pick the NICs (default: every domain of the best provider;
     ``nics`` above the real count adds emulated NICs); ``threads`` worker threads (default: one per
     topology group that has NICs, at most the NIC count), pinned to the cores fabriclab.topology
-    proposes; ``timeout`` is every transfer's default deadline in seconds.
+    proposes (two pinned engines on one host would share those cores: give one ``pin=False``);
+    ``timeout`` is every transfer's default deadline in seconds.
     """
 
     def __init__(self, provider: str | None = None, *, nics: int | None = None, domains=None,
