@@ -52,6 +52,8 @@ class Rendezvous:
         self.host, self.port = self._listener.getsockname()[:2]
 
     def exchange(self, payload: bytes) -> bytes:
+        """Wait for the next peer (``fi.FabricTimeout`` after ``timeout`` seconds), receive its bytes, send it
+        ``payload``; returns its bytes."""
         try:
             conn, _ = self._listener.accept()
         except socket.timeout:
@@ -63,6 +65,7 @@ class Rendezvous:
             return theirs
 
     def close(self) -> None:
+        """Stop listening."""
         self._listener.close()
 
     def __enter__(self):
