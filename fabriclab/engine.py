@@ -379,19 +379,24 @@ class Engine:
     ``nics`` above the real count adds emulated NICs); ``threads`` worker threads (default: one per
     topology group that has NICs, at most the NIC count), pinned to the cores fabriclab.topology
     proposes (two pinned engines on one host would share those cores: give one ``pin=False``);
-    ``timeout`` is every transfer's default deadline in seconds.
+    ``timeout`` is every transfer's default deadline in seconds; ``gpu`` (default: when CUDA is here)
+    opens the NICs able to register GPU memory.
     """
 
     def __init__(self, provider: str | None = None, *, nics: int | None = None, domains=None,
                  threads: int | None = None, pin: bool = True, batch: int = 16, fi_more: bool = False,
-                 timeout: float = 30.0, in_flight: int | None = None):
+                 timeout: float = 30.0, in_flight: int | None = None, gpu: bool | None = None):
         if timeout <= 0:
             raise fi.UsageError("timeout must be positive")
         self.timeout = timeout
         self.id = secrets.randbits(63) | 1
         self._lock = threading.Lock()
         self._closed = False
-        self._nics = multi_nic.NicSet(provider, nics, domains)
+        if gpu is None:
+            from . import gpu as cuda
+            gpu = cuda.cuda_status() == "ok"
+        # With GPUs, ask for FI_HMEM so CUDA arrays can be registered (where the provider offers it).
+        self._nics = multi_nic.NicSet(provider, nics, domains, "cuda" if gpu else "host")
         self.provider = self._nics.provider
         try:
             self._native = multi_nic.NativeEngine(self._nics)

@@ -765,6 +765,7 @@ static void *service_thread(void *arg) {
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
     uint32_t idle = 0;
+    int resting = 0;
     uint64_t quiet_since = fl_now_ns();
     t->last_progress_ns = quiet_since;
     while (!stopping(e)) {
@@ -780,16 +781,16 @@ static void *service_thread(void *arg) {
         }
         if (busy || outstanding) {
             idle = 0;
+            resting = 0;
+        } else if (resting) {
+            /* Quiet for over 10 ms (every write carries immediate data, so a target sees its peers'
+             * traffic): keep polling — software providers need it for incoming writes — every 20 us. */
+            struct timespec pause = {0, 20000};
+            nanosleep(&pause, NULL);
         } else if ((++idle & 4095) == 0) {
-            /* Nothing sent or received for a while (every write carries immediate data, so a target
-             * sees its peers' traffic): keep polling — software providers need it for incoming
-             * writes — but every 20 us instead of spinning, once 10 ms have passed quietly. */
             uint64_t now = fl_now_ns();
             if (idle == 4096) quiet_since = now;
-            if (now - quiet_since > 10000000ull) {
-                struct timespec pause = {0, 20000};
-                nanosleep(&pause, NULL);
-            }
+            resting = now - quiet_since > 10000000ull;
         }
     }
     return NULL;
