@@ -268,7 +268,9 @@ class Bench:
         report = writer.finish(verify=config.verify)
         writer.release()
         threads = getattr(stats, "threads", 1)
-        ceiling = self._memcpy.setdefault((plan.buffer_bytes, threads), memcpy_gbps(plan.buffer_bytes, threads))
+        if (plan.buffer_bytes, threads) not in self._memcpy:
+            self._memcpy[plan.buffer_bytes, threads] = memcpy_gbps(plan.buffer_bytes, threads)
+        ceiling = self._memcpy[plan.buffer_bytes, threads]
         path = paths["local"] if paths["local"] == paths["remote_path"] else f"{paths['local']}->{paths['remote_path']}"
         return BenchResult(
             stage=config.stage, provider=writer.stack.info.provider, domain=config.domain or writer.stack.info.domain,

@@ -738,7 +738,12 @@ class Endpoint(Resource):
         self._ptr = out[0]
         check(lib.fi_ep_bind(self._ptr, cq._fid(), lib.FI_TRANSMIT | lib.FI_RECV), "fi_ep_bind(cq)")
         check(lib.fi_ep_bind(self._ptr, av._fid(), 0), "fi_ep_bind(av)")
-        check(lib.fi_enable(self._ptr), "fi_enable")
+        rc = lib.fi_enable(self._ptr)
+        if rc == -_errno.EBUSY:
+            # shm: a region left in /dev/shm by a killed process whose pid has come round again; the
+            # failed enable removes it, so a second try succeeds
+            rc = lib.fi_enable(self._ptr)
+        check(rc, "fi_enable")
         self._msg = ffi.new("struct fi_msg_rma *")
         self._iov = ffi.new("struct iovec *")
         self._rma_iov = ffi.new("struct fi_rma_iov *")

@@ -577,9 +577,9 @@ def gbps_comparison(rows: Sequence[tuple], line_rate: float | None = 100.0,
                              "ceiling": "this machine's ceiling"})
     palette = {"article": COLORS["recv"], "here": COLORS["send"], "ceiling": COLORS["control"]}
     rows = list(rows)
-    fig = _figure(9, 0.42 * len(rows) + 1.5)
-    height = 0.42 * len(rows) + 1.5
-    ax = fig.add_axes((0.36, 0.75 / height, 0.6, 1 - 1.2 / height))
+    height = 0.42 * len(rows) + 1.55
+    fig = _figure(9, height)
+    ax = fig.add_axes((0.36, 0.85 / height, 0.6, 1 - 1.3 / height))
     ys = list(range(len(rows)))[::-1]
     top = max([r[1] for r in rows] + [line_rate or 0])
     seen = set()
@@ -589,19 +589,21 @@ def gbps_comparison(rows: Sequence[tuple], line_rate: float | None = 100.0,
         ax.barh(y, gbps, color=palette.get(group, "#999999"), height=0.6, zorder=2,
                 label=groups.get(group, group) if group not in seen else None)
         seen.add(group)
-        ax.text(gbps + top * 0.01, y, f"{gbps:.1f}" + (f"  {note}" if note else ""), va="center", fontsize=7.5)
+        ax.text(gbps + top * 0.01, y, f"{gbps:.1f}" + (f"  {note}" if note else ""), va="center", fontsize=7.5,
+                zorder=4, bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.85))
     if line_rate:
         ax.axvline(line_rate, color="black", ls="--", lw=1, zorder=3, label=line_label)
     ax.set_yticks(ys)
     ax.set_yticklabels([r[0] for r in rows], fontsize=8)
-    ax.set_xlim(0, top * 1.3)
-    ax.set_ylim(-0.6, len(rows) - 0.2)
+    ax.set_xlim(0, top * 1.35)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_xlabel("Gbps", fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     ax.grid(axis="x", color=COLORS["grid"], zorder=0)
-    ax.legend(fontsize=7, loc="lower right")
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=4, frameon=False)
     if title:
-        ax.set_title(title, fontsize=10, pad=14)
+        ax.set_title(title, fontsize=10, pad=10)
     return fig
 
 
@@ -677,20 +679,21 @@ def saturation_depth(gbps_by_depth: Mapping[int, float], share: float = 0.9) -> 
 def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = None,
                 share: float = 0.9) -> Figure:
     """Gbps over page size × pages in flight (``results``: objects with page_size, in_flight, gbps, such as
-    bench.BenchResult): a heat map and one curve per page size. The framed cell / circled point of each
-    row is the fewest pages in flight that reach ``share`` of that row's best: where the queue saturates."""
+    bench.BenchResult): a heat map and one curve per page size. Each row of the heat map is coloured by its
+    share of that row's best, so rows of very different Gbps read alike. The framed cell / circled point of
+    each row is the fewest pages in flight that reach ``share`` of that row's best: where the queue saturates."""
     grid: dict[int, dict[int, float]] = {}
     for r in results:
         grid.setdefault(r.page_size, {})[r.in_flight] = r.gbps
     pages = sorted(grid)
     depths = sorted({d for row in grid.values() for d in row})
-    fig = _figure(11, 0.55 * len(pages) + 2.6)
     height = 0.55 * len(pages) + 2.6
-    hm = fig.add_axes((0.09, 0.85 / height, 0.4, 1 - 1.5 / height))
-    cv = fig.add_axes((0.58, 0.85 / height, 0.4, 1 - 1.5 / height))
-    values = [[grid[p].get(d, float("nan")) for d in depths] for p in pages]
-    top = max(g for row in grid.values() for g in row.values())
-    hm.imshow(values, cmap="Purples", vmin=0, vmax=top, aspect="auto", origin="lower")
+    fig = _figure(11, height)
+    hm = fig.add_axes((0.08, 0.85 / height, 0.38, 1 - 1.5 / height))
+    cv = fig.add_axes((0.54, 0.85 / height, 0.33, 1 - 1.5 / height))
+    best = {p: max(grid[p].values()) or 1.0 for p in pages}
+    shares = [[grid[p][d] / best[p] if d in grid[p] else float("nan") for d in depths] for p in pages]
+    hm.imshow(shares, cmap="Purples", vmin=0, vmax=1, aspect="auto", origin="lower")
     for i, p in enumerate(pages):
         knee = saturation_depth(grid[p], share)
         for j, d in enumerate(depths):
@@ -698,7 +701,7 @@ def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = 
             if g is None:
                 continue
             hm.text(j, i, f"{g:.1f}", ha="center", va="center", fontsize=8,
-                    color="white" if g > 0.6 * top else "black")
+                    color="white" if g > 0.6 * best[p] else "black")
             if d == knee:
                 hm.add_patch(FancyBboxPatch((j - 0.46, i - 0.44), 0.92, 0.88, boxstyle="square,pad=0",
                                             facecolor="none", edgecolor=COLORS["send"], lw=2))
@@ -708,8 +711,10 @@ def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = 
     hm.set_yticklabels([_size(p) for p in pages], fontsize=8)
     hm.set_xlabel("pages in flight", fontsize=8)
     hm.set_ylabel("page size", fontsize=8)
-    hm.set_title(f"Gbps (framed: first depth within {share:.0%} of the row's best)", fontsize=8.5)
+    hm.set_title(f"Gbps; colour: share of the row's best;\nframed: first depth within {share:.0%} of it",
+                 fontsize=8.5)
     palette = [COLORS["recv"], COLORS["send"], COLORS["write"], COLORS["data"], COLORS["control"]]
+    top = max(best.values())
     for i, p in enumerate(pages):
         xs = sorted(grid[p])
         color = palette[i % len(palette)]
@@ -717,7 +722,7 @@ def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = 
         knee = saturation_depth(grid[p], share)
         cv.plot([knee], [grid[p][knee]], marker="o", ms=13, mfc="none", mec=color, mew=1.5)
     if ceiling_gbps:
-        cv.axhline(ceiling_gbps, color="black", ls="--", lw=1, label=f"memcpy {ceiling_gbps:.0f} Gbps")
+        cv.axhline(ceiling_gbps, color="black", ls="--", lw=1, label=f"memcpy\n{ceiling_gbps:.0f} Gbps")
     cv.set_xscale("log", base=2)
     cv.set_xticks(depths)
     cv.set_xticklabels([str(d) for d in depths], fontsize=8)
@@ -727,7 +732,7 @@ def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = 
     cv.tick_params(axis="y", labelsize=8)
     cv.set_ylim(0, max(top, ceiling_gbps or 0) * 1.12)
     cv.grid(color=COLORS["grid"])
-    cv.legend(fontsize=7, loc="upper left", title="page size", title_fontsize=7)
+    cv.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="page size", title_fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10, y=0.995)
     return fig

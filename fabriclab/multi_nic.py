@@ -491,8 +491,10 @@ def worker_cores(threads: int, provider: str, cores: list[int] | None = None) ->
         cores = list(cores)
     else:
         from . import topology
-        groups = [g for g in topology.Topology.discover(provider=provider).groups if g.cores]
-        proposed = [c for g in groups for c in g.cores if c in allowed]
+        groups = [[c for c in g.cores if c in allowed] for g in topology.Topology.discover(provider=provider).groups]
+        groups = [g for g in groups if g]
+        # thread t goes to group t % G (one thread per GPU group first), taking that group's cores in turn
+        proposed = [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
         cores = proposed + [c for c in allowed if c not in proposed]
     if threads > len(cores):
         raise fi.UsageError(f"{threads} pinned threads need as many cores, but only {len(cores)} are available "

@@ -47,7 +47,8 @@ typedef struct nic_state {
     struct group *group; /* the group that drives this NIC during a write run */
 } nic_state;
 
-/* Per-thread counters for chapters 13 (sharded: packed, eight to a cache line) and beyond (padded). */
+/* Per-thread counters for chapters 13 (sharded: packed, four threads' pairs to a cache line) and beyond
+ * (padded: a line each). */
 typedef struct { volatile uint64_t posted, finished; } packed_shard;
 typedef struct { volatile uint64_t posted, finished; char pad[48]; } __attribute__((aligned(64))) padded_shard;
 
