@@ -26,7 +26,6 @@ import argparse
 import hashlib
 import json
 import os
-import struct
 import subprocess
 import sys
 
@@ -39,20 +38,6 @@ SUCCESS = "kv_cache_transfer: OK"
 
 
 # ------------------------------------------------------------------------------------ small helpers
-
-
-def pack(*parts: bytes) -> bytes:
-    """Length-prefixed byte strings, for the bootstrap messages."""
-    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
-
-
-def unpack(data: bytes) -> list[bytes]:
-    parts, offset = [], 0
-    while offset < len(data):
-        (n,) = struct.unpack_from("<I", data, offset)
-        parts.append(data[offset + 4:offset + 4 + n])
-        offset += 4 + n
-    return parts
 
 
 def cache_contents(args) -> np.ndarray:
@@ -176,7 +161,7 @@ def decode(args) -> int:
         cache = mem.zeros(shape)
         region = register(engine, cache, mem)
         # Join: our address and where to write; the reply is the plan (which blocks, which imm, how often).
-        plan = json.loads(bootstrap.exchange(args.port, pack(engine.address, region.descriptor()),
+        plan = json.loads(bootstrap.exchange(args.port, bootstrap.pack(engine.address, region.descriptor()),
                                              timeout=args.timeout))
         writes = args.layers * args.request_blocks
         arrived = [engine.expect(plan["imm"] + r, writes) for r in range(plan["rounds"])]
@@ -192,7 +177,7 @@ def decode(args) -> int:
         report = {"exact": exact, "bad_pages": bad, "digest": digest}
         print(f"[decode] {plan['rounds']} x {writes} writes with imm {plan['imm']}.. arrived; "
               f"{'byte-exact' if exact else f'{bad} pages differ'} (request blocks sha256 {digest}...)", flush=True)
-        bootstrap.exchange(args.port, pack(b"done", json.dumps(report).encode()), timeout=args.timeout)
+        bootstrap.exchange(args.port, bootstrap.pack(b"done", json.dumps(report).encode()), timeout=args.timeout)
         region.close()
     return 0 if exact else 1
 
@@ -227,7 +212,7 @@ def prefill(args) -> int:
         child = subprocess.Popen(child_command(args, rendezvous.port))
         try:
             plan = {"imm": args.imm, "rounds": args.rounds}
-            address, descriptor = unpack(rendezvous.exchange(json.dumps(plan).encode()))
+            address, descriptor = bootstrap.unpack(rendezvous.exchange(json.dumps(plan).encode()))
             peer = engine.connect(address)
             rates = []
             for r in range(args.rounds):
@@ -235,7 +220,7 @@ def prefill(args) -> int:
                                         imm=args.imm + r)
                 result = done.result()  # TransferTimeout / PeerLost, each saying whether `cache` is reusable
                 rates.append(result.bytes * 8 / result.elapsed_s / 1e9)
-            tag, report = unpack(rendezvous.exchange(b"bye"))
+            tag, report = bootstrap.unpack(rendezvous.exchange(b"bye"))
             report = json.loads(report)
             status = child.wait(args.timeout)
         except BaseException:

@@ -21,7 +21,6 @@ import concurrent.futures
 import hashlib
 import json
 import os
-import struct
 import subprocess
 import sys
 
@@ -31,20 +30,6 @@ from fabriclab import Engine, TransferError, bootstrap, fi, lesson
 from fabriclab.cli import positive_size
 
 SUCCESS = "weight_broadcast: OK"
-
-
-def pack(*parts: bytes) -> bytes:
-    """Length-prefixed byte strings, for the bootstrap messages."""
-    return b"".join(struct.pack("<I", len(p)) + p for p in parts)
-
-
-def unpack(data: bytes) -> list[bytes]:
-    parts, offset = [], 0
-    while offset < len(data):
-        (n,) = struct.unpack_from("<I", data, offset)
-        parts.append(data[offset + 4:offset + 4 + n])
-        offset += 4 + n
-    return parts
 
 
 def open_engine(args) -> Engine:
@@ -60,7 +45,7 @@ def peer_main(args) -> int:
     with open_engine(args) as engine:
         weights = np.zeros(args.size, dtype=np.uint8)
         region = engine.register(weights)
-        plan = json.loads(bootstrap.exchange(args.port, pack(b"join", args.name.encode(), engine.address,
+        plan = json.loads(bootstrap.exchange(args.port, bootstrap.pack(b"join", args.name.encode(), engine.address,
                                                              region.descriptor()), timeout=args.timeout))
         engine.expect(plan["imm"], plan["writes"]).result()  # TransferTimeout if they do not all land in time
         digest = hashlib.sha256(weights).hexdigest()
@@ -68,7 +53,7 @@ def peer_main(args) -> int:
         print(f"[{args.name}] {plan['writes']} writes landed; sha256 {digest[:16]}... "
               f"{'matches' if ok else 'DIFFERS'}", flush=True)
         report = {"name": args.name, "ok": ok, "sha256": digest}
-        bootstrap.exchange(args.port, pack(b"done", json.dumps(report).encode()), timeout=args.timeout)
+        bootstrap.exchange(args.port, bootstrap.pack(b"done", json.dumps(report).encode()), timeout=args.timeout)
         region.close()
     return 0 if ok else 1
 
@@ -101,7 +86,7 @@ def writer_main(args) -> int:
             children += [start_peer(args, rendezvous.port, f"peer{i + 1}") for i in range(args.peers)]
             total = args.peers + args.late
             while len(reports) < total:
-                tag, *rest = unpack(rendezvous.exchange(plan))  # the next join or report, whoever comes first
+                tag, *rest = bootstrap.unpack(rendezvous.exchange(plan))  # the next join or report, whoever comes first
                 if tag == b"join":
                     name, address, descriptor = rest[0].decode(), rest[1], rest[2]
                     peer = engine.connect(address)

@@ -268,8 +268,9 @@ class Bench:
         report = writer.finish(verify=config.verify)
         writer.release()
         threads = getattr(stats, "threads", 1)
+        # at least 64 MiB, so that a small buffer is not measured copying from cache
         if (plan.buffer_bytes, threads) not in self._memcpy:
-            self._memcpy[plan.buffer_bytes, threads] = memcpy_gbps(plan.buffer_bytes, threads)
+            self._memcpy[plan.buffer_bytes, threads] = memcpy_gbps(max(plan.buffer_bytes, 64 << 20), threads, 5)
         ceiling = self._memcpy[plan.buffer_bytes, threads]
         path = paths["local"] if paths["local"] == paths["remote_path"] else f"{paths['local']}->{paths['remote_path']}"
         return BenchResult(
@@ -344,7 +345,7 @@ def api_target() -> None:
         region = engine.register(np.zeros(int(size), dtype=np.uint8))
         with bootstrap.Rendezvous() as rendezvous:
             print(rendezvous.port, flush=True)
-            rendezvous.exchange(len(engine.address).to_bytes(4, "little") + engine.address + region.descriptor())
+            rendezvous.exchange(bootstrap.pack(engine.address, region.descriptor()))
         sys.stdin.read()
 
 
@@ -363,9 +364,7 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
                                str(plan.buffer_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         port = int(target.stdout.readline())
-        reply = bootstrap.exchange(port, b"bench")
-        split = int.from_bytes(reply[:4], "little")
-        address, descriptor = reply[4:4 + split], reply[4 + split:]
+        address, descriptor = bootstrap.unpack(bootstrap.exchange(port, b"bench"))
         with Engine(provider, domains=config.domain, nics=config.nics, threads=config.threads, pin=config.pin,
                     batch=config.batch, fi_more=config.fi_more, timeout=config.timeout,
                     in_flight=config.in_flight) as engine:

@@ -42,6 +42,26 @@ def _recv(sock: socket.socket) -> bytes:
     return _recv_exact(sock, size)
 
 
+def pack(*parts: bytes) -> bytes:
+    """Several byte strings as one message (each length-prefixed): e.g. ``pack(engine.address,
+    region.descriptor())``."""
+    return b"".join(_LENGTH.pack(len(p)) + bytes(p) for p in parts)
+
+
+def unpack(data: bytes) -> list[bytes]:
+    """The byte strings ``pack`` put together."""
+    parts, offset = [], 0
+    while offset < len(data):
+        if offset + _LENGTH.size > len(data):
+            raise fi.UsageError("truncated bootstrap message")
+        (n,) = _LENGTH.unpack_from(data, offset)
+        if offset + _LENGTH.size + n > len(data):
+            raise fi.UsageError("truncated bootstrap message")
+        parts.append(bytes(data[offset + _LENGTH.size:offset + _LENGTH.size + n]))
+        offset += _LENGTH.size + n
+    return parts
+
+
 class Rendezvous:
     """The listening side: ``exchange(payload)`` waits for one peer, receives its bytes, sends ours."""
 

@@ -16,8 +16,7 @@ with Engine(provider, domains=None if domain == "-" else domain, pin=False, time
     region = engine.register(buffer)
     with bootstrap.Rendezvous() as rendezvous:
         print(rendezvous.port, flush=True)
-        offer = engine.address + b"|" + region.descriptor()
-        rendezvous.exchange(len(engine.address).to_bytes(4, "little") + offer)
+        rendezvous.exchange(bootstrap.pack(engine.address, region.descriptor()))
     for line in sys.stdin:
         words = line.split()
         if words[0] == "expect":

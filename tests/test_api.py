@@ -27,9 +27,7 @@ class PeerProcess:
         self.proc = subprocess.Popen([sys.executable, PEER, provider, domain or "-", str(size)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         port = int(self.proc.stdout.readline())
-        reply = bootstrap.exchange(port, b"hello")
-        split = int.from_bytes(reply[:4], "little")
-        self.address, self.descriptor = reply[4:4 + split], reply[5 + split:]
+        self.address, self.descriptor = bootstrap.unpack(bootstrap.exchange(port, b"hello"))
 
     def ask(self, line):
         self.proc.stdin.write(line + "\n")
