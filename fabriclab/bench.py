@@ -21,13 +21,13 @@ import numpy as np
 from . import batched, cli, fi, memory, multi_nic, opqueue, rdma_write, threaded
 from .peers import ServerProcess
 
-#: stage name → (writer class, first chapter)
+#: stage name → its writer class
 STAGES = {
-    "rdma_write": (rdma_write.Writer, 6),
-    "opqueue": (opqueue.QueuedWriter, 7),
-    "multi_nic": (multi_nic.MultiNicWriter, 9),
-    "threaded": (threaded.ThreadedWriter, 11),
-    "batched": (batched.BatchedWriter, 14),
+    "rdma_write": rdma_write.Writer,
+    "opqueue": opqueue.QueuedWriter,
+    "multi_nic": multi_nic.MultiNicWriter,
+    "threaded": threaded.ThreadedWriter,
+    "batched": batched.BatchedWriter,
 }
 # The multi-NIC target serves every stage: it is chapter 6's target plus NIC sets.
 TARGET_MODULE = "fabriclab.multi_nic"
@@ -73,7 +73,7 @@ class BenchConfig:
 
     def writer_options(self) -> dict:
         """Constructor options of this stage's writer (each stage takes its own and its ancestors')."""
-        cls = STAGES[self.stage][0]
+        cls = STAGES[self.stage]
         options = {}
         if issubclass(cls, opqueue.QueuedWriter):
             options["in_flight"] = self.in_flight
@@ -229,7 +229,7 @@ class Bench:
             return known[1]
         if known is not None:
             self._close_writer(known[1])
-        cls = STAGES[config.stage][0]
+        cls = STAGES[config.stage]
         stack = memory.open_endpoint(self.provider, config.control_domain, self.memory)
         try:
             writer = cls(stack, self.server.address, self.timeout, **options)

@@ -98,16 +98,20 @@ class TransferResult:
     buffer_safe: bool = True
 
 
-class Transfer(concurrent.futures.Future):
-    """A ``concurrent.futures.Future`` of a TransferResult, also awaitable under asyncio."""
+class _AwaitableFuture(concurrent.futures.Future):
+    """A ``concurrent.futures.Future`` that can also be awaited under asyncio."""
+
+    def __await__(self):
+        return asyncio.wrap_future(self).__await__()
+
+
+class Transfer(_AwaitableFuture):
+    """The future of a TransferResult: wait with result(), add callbacks, or await it under asyncio."""
 
     def __init__(self, writes: int, nbytes: int, deadline: float):
         super().__init__()
         self.writes, self.bytes, self.deadline = writes, nbytes, deadline
         self.started = time.perf_counter()
-
-    def __await__(self):
-        return asyncio.wrap_future(self).__await__()
 
 
 # ------------------------------------------------------------------------------------------ wiring
@@ -698,7 +702,3 @@ class Engine:
             for reg in multi_nic.unique_registrations(region.registrations):
                 reg.close()
 
-
-class _AwaitableFuture(concurrent.futures.Future):
-    def __await__(self):
-        return asyncio.wrap_future(self).__await__()

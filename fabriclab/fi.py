@@ -36,8 +36,6 @@ from ._fabric import ffi, lib  # noqa: E402
 PREFERRED_PROVIDERS = ("efa", "verbs;ofi_rxm", "shm", "tcp;ofi_rxm")
 DEFAULT_TIMEOUT = 10.0
 
-CAPS_MSG = lib.FI_MSG
-CAPS_RMA = lib.FI_RMA
 DEFAULT_CAPS = lib.FI_MSG | lib.FI_RMA
 # The registration modes fabriclab knows how to honour; the provider picks the ones it needs.
 SUPPORTED_MR_MODES = (lib.FI_MR_LOCAL | lib.FI_MR_VIRT_ADDR | lib.FI_MR_ALLOCATED | lib.FI_MR_PROV_KEY
