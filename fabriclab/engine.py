@@ -293,8 +293,26 @@ class Peer:
         self.closed = False
         self._next_nic = 0
         self._parsed: dict[bytes, RemoteRegion] = {}
+        self._routes: dict[tuple, np.ndarray] = {}
         self._fi_addrs = np.asarray(self.fi_addrs, dtype=np.uint64)
         self._remote_slots = np.asarray(self.remote_slot, dtype=np.int64)
+
+    def _routes_to(self, region: Region, remote: RemoteRegion) -> np.ndarray:
+        """Per NIC: our descriptor of ``region``, the peer's address and its base and key for ``remote`` —
+        what the engine needs to post a write, or to move it to another NIC. Kept alive by every transfer
+        that uses it."""
+        key = (region.id, remote.region_id)
+        routes = self._routes.get(key)
+        if routes is None:
+            routes = np.empty(len(self.fi_addrs), dtype=_route_dtype())
+            routes["desc"] = region._descs
+            routes["dest"] = self._fi_addrs
+            routes["remote_base"] = np.asarray(remote.bases, dtype=np.uint64)[self._remote_slots]
+            routes["rkey"] = np.asarray(remote.keys, dtype=np.uint64)[self._remote_slots]
+            if len(self._routes) >= 256:
+                self._routes.clear()
+            self._routes[key] = routes
+        return routes
 
     def _remote(self, descriptor) -> RemoteRegion:
         if isinstance(descriptor, RemoteRegion):
@@ -328,10 +346,10 @@ class Peer:
                              f"{remote.length}-byte region")
         if stripe_bytes <= 0:
             raise fi.UsageError("stripe_bytes must be positive")
-        starts = np.arange(0, length, stripe_bytes, dtype=np.uint64)
+        starts = np.arange(0, length, stripe_bytes, dtype=np.int64)
         lengths = np.minimum(stripe_bytes, length - starts).astype(np.uint64)
-        return self.engine._submit(self, local_region, remote, src_offset + starts, dst_offset + starts, lengths,
-                                   imm, timeout)
+        return self.engine._submit(self, local_region, remote, src_offset + starts, dst_offset + starts, 1,
+                                   lengths, imm, timeout)
 
     def write_pages(self, local_region: Region, src_pages, remote_descriptor, dst_pages, page_size: int,
                     imm: int | None = None, timeout: float | None = None) -> Transfer:
@@ -350,9 +368,7 @@ class Peer:
                 bad = pages[(pages < 0) | (pages >= last)][0]
                 raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
                                  f"{side} region")
-        lengths = np.full(src.size, page_size, dtype=np.uint64)
-        return self.engine._submit(self, local_region, remote, src.astype(np.uint64) * page_size,
-                                   dst.astype(np.uint64) * page_size, lengths, imm, timeout)
+        return self.engine._submit(self, local_region, remote, src, dst, page_size, page_size, imm, timeout)
 
     def close(self) -> None:
         """No more writes through this Peer; the peer (or its restarted self) may connect again later.
@@ -366,14 +382,14 @@ class Peer:
 
 # ------------------------------------------------------------------------------------------ engine
 
-_OP_FIELDS = ("local", "remote", "len", "rkey", "imm", "desc", "dest", "transfer", "nic", "flags")
+_ROUTE_FIELDS = ("desc", "dest", "remote_base", "rkey")
 
 
-def _op_dtype() -> np.dtype:
-    formats = {"local": "<u8", "remote": "<u8", "len": "<u8", "rkey": "<u8", "imm": "<u8", "desc": "<u8",
-               "dest": "<u8", "transfer": "<u4", "nic": "<u2", "flags": "<u2"}
-    return np.dtype({"names": list(_OP_FIELDS), "formats": [formats[f] for f in _OP_FIELDS],
-                     "offsets": [ffi.offsetof("fl_op", f) for f in _OP_FIELDS], "itemsize": ffi.sizeof("fl_op")})
+def _route_dtype() -> np.dtype:
+    """numpy's view of native/engine.h's fl_route, offsets taken from the compiled struct."""
+    return np.dtype({"names": list(_ROUTE_FIELDS), "formats": ["<u8"] * len(_ROUTE_FIELDS),
+                     "offsets": [ffi.offsetof("fl_route", f) for f in _ROUTE_FIELDS],
+                     "itemsize": ffi.sizeof("fl_route")})
 
 
 class Engine:
@@ -435,14 +451,15 @@ class Engine:
         except BaseException:
             self._nics.close()
             raise
-        self._op_dtype = _op_dtype()
         self._av_entries: dict[tuple, int] = {}  # (our NIC slot, peer's raw address) -> fi_addr
+        # A transfer id is free again only once the native engine has reported it finished (every write
+        # completed or failed), never earlier: the engine may still count writes against it.
         self._free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
-        self._pending: dict[int, tuple[Transfer, Region]] = {}
-        self._zombies: dict[int, Region] = {}  # failed transfers whose writes are still in flight
+        self._pending: dict[int, tuple[Transfer, Region, np.ndarray]] = {}
+        self._zombies: dict[int, tuple[Region, np.ndarray]] = {}  # failed, writes still in flight
         self._expectations: list[tuple[int, int, concurrent.futures.Future, float]] = []
         self._retired_regions: list[Region] = []
-        self._wake = threading.Event()
+        self._next_deadline = float("inf")  # the earliest deadline the reaper has to look at
         self._reaper = threading.Thread(target=self._reap, name="fabriclab-engine-reaper", daemon=True)
         self._reaper.start()
         self._finalizer = weakref.finalize(self, Engine._close_at_exit, weakref.ref(self))
@@ -497,7 +514,9 @@ class Engine:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             self._expectations.append((int(imm), int(count), future, deadline))
-        self._wake.set()
+            self._next_deadline = min(self._next_deadline, deadline)
+        self._native._ptr.imm_watch = 1
+        lib.fl_service_wake(self._native._ptr)
         return future
 
     def stats(self) -> dict:
@@ -514,11 +533,11 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._wake.set()
+        lib.fl_service_wake(self._native._ptr)
         self._reaper.join(5)
         lib.fl_service_stop(self._native._ptr)
         with self._lock:
-            for transfer, region in self._pending.values():
+            for transfer, region, _ in self._pending.values():
                 if not transfer.done():
                     transfer.set_exception(TransferError("the engine was closed", buffer_safe=True))
                 region.in_use -= 1
@@ -550,9 +569,11 @@ class Engine:
         if self._closed:
             raise fi.UsageError("the engine is closed")
 
-    def _submit(self, peer: Peer, region: Region, remote: RemoteRegion, local_offsets, remote_offsets, lengths,
-                imm, timeout) -> Transfer:
-        """Turn one request into fl_ops (vectorised), hand them to the worker threads, track the future."""
+    def _submit(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths, imm,
+                timeout) -> Transfer:
+        """Hand one request to the native engine (it builds the writes and stripes them over the NICs) and
+        track its future. Write i moves lengths[i] (or ``lengths`` bytes) from src[i] * stride of the
+        region to dst[i] * stride of the peer's."""
         self._check_open()
         region._check_open()
         if peer.closed:
@@ -562,110 +583,113 @@ class Engine:
         if imm is not None and not 0 <= int(imm) < lib.FL_NO_IMM:
             raise fi.UsageError(f"imm must be below 2**32 - 1 (EFA carries 32 bits; the top value is reserved), "
                                 f"got {imm}")
-        n = lengths.size
+        n = src.size
+        uniform = np.isscalar(lengths)
+        nbytes = n * lengths if uniform else int(lengths.sum())
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        transfer = Transfer(n, int(lengths.sum()), deadline)
-        ops = np.empty(n, dtype=self._op_dtype)
-        slots = len(self._nics.slots)
-        nic = (peer._next_nic + np.arange(n)) % slots
-        peer._next_nic = int((peer._next_nic + n) % slots)
-        rslot = peer._remote_slots[nic]
-        ops["local"] = region.address + local_offsets
-        ops["remote"] = np.asarray(remote.bases, dtype=np.uint64)[rslot] + remote_offsets
-        ops["rkey"] = np.asarray(remote.keys, dtype=np.uint64)[rslot]
-        ops["len"] = lengths
-        ops["desc"] = region._descs[nic]
-        ops["dest"] = peer._fi_addrs[nic]
-        ops["nic"] = nic
-        # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
-        # worker threads see traffic arrive and keep polling: software providers need the target to poll.
-        ops["imm"] = lib.FL_NO_IMM if imm is None else int(imm)
-        ops["flags"] = lib.FL_OP_IMM
+        transfer = Transfer(n, nbytes, deadline)
+        routes = peer._routes_to(region, remote)
+        src, dst = np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64)
+        src_c, dst_c = ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst)
+        lengths_c = ffi.NULL if uniform else ffi.from_buffer("uint64_t[]", np.ascontiguousarray(lengths, np.uint64))
+        request = ffi.new("fl_request *", {
+            "routes": ffi.from_buffer("fl_route[]", routes), "local_base": region.address, "src": src_c,
+            "dst": dst_c, "stride": stride, "lengths": lengths_c, "length": lengths if uniform else 0, "count": n,
+            # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
+            # worker threads see traffic arrive and keep polling: software providers need the target to poll.
+            "imm": lib.FL_NO_IMM if imm is None else int(imm), "first_nic": peer._next_nic})
+        peer._next_nic = (peer._next_nic + n) % len(peer.fi_addrs)
         with self._lock:
             if not self._free_ids:
                 raise TransferError("too many transfers in flight", buffer_safe=True)
             tid = self._free_ids.pop()
             self._transfers[2 * tid] = n
             self._transfers[2 * tid + 1] = 0
-            self._pending[tid] = (transfer, region)
+            self._pending[tid] = (transfer, region, routes)
             region.in_use += 1
-        ops["transfer"] = tid
-        pointer = ffi.cast("fl_op *", ops.ctypes.data)
+            if deadline < self._next_deadline:
+                self._next_deadline = deadline
+                lib.fl_service_wake(self._native._ptr)
+        request.transfer = tid
         taken = 0
         while taken < n:
-            taken += lib.fl_service_submit(self._native._ptr, pointer + taken, n - taken)
+            taken += lib.fl_service_submit(self._native._ptr, request, taken)
             if taken < n:
                 if time.monotonic() > deadline or self._native._ptr.stop:
-                    # writes never handed over will never complete: count them as done
-                    np.subtract.at(self._transfers, 2 * tid, n - taken)
                     with self._lock:
                         self._pending.pop(tid, None)
+                        self._zombies[tid] = (region, routes)
                         region.in_use -= 1
-                    self._retire(tid, region)
+                    # writes never handed over will never complete: the engine counts them as finished
+                    lib.fl_transfer_release(self._native._ptr, tid, n - taken)
                     raise TransferTimeout(f"the engine's queues stayed full; {n - taken} of {n} writes not queued",
                                           buffer_safe=taken == 0)
                 time.sleep(0.0002)
-        self._wake.set()
         return transfer
 
-    def _retire(self, tid: int, region: Region) -> None:
-        """A transfer whose writes may still be in flight: keep its id (and region) until they finish."""
-        with self._lock:
-            if self._transfers[2 * tid] <= 0:
-                self._free_ids.append(tid)
-            else:
-                self._zombies[tid] = region
-
     def _reap(self) -> None:
-        """Resolve futures from the engine's counters; enforce deadlines. Sleeps when nothing is pending."""
-        idle = 0.0
+        """Resolve futures as the native engine reports transfers finished (it wakes this thread, which
+        waits without the GIL); enforce deadlines; count expected immediate data."""
+        finished = ffi.new("uint32_t[]", 1024)
+        e = self._native._ptr
         while not self._closed:
             with self._lock:
-                pending = list(self._pending.items())
-                expectations = list(self._expectations)
-                zombies = list(self._zombies.items())
+                busy = self._pending or self._expectations or self._zombies
+                wait = min(max(self._next_deadline - time.monotonic(), 0.0), 0.05) if busy else 0.05
+            got = lib.fl_service_wait(e, finished, len(finished), wait)
+            for tid in finished[0:got]:
+                with self._lock:
+                    entry = self._pending.pop(tid, None)
+                    self._zombies.pop(tid, None)
+                if entry is not None:
+                    transfer, region, _ = entry
+                    self._finish(transfer, region, 0, int(self._transfers[2 * tid + 1]))
+                with self._lock:
+                    self._free_ids.append(tid)
             now = time.monotonic()
-            progressed = False
-            for tid, (transfer, region) in pending:
-                remaining, error = int(self._transfers[2 * tid]), int(self._transfers[2 * tid + 1])
-                if remaining <= 0 or error:
-                    if remaining > 0 and now < transfer.deadline:
-                        continue  # an error: wait (until the deadline) for its other writes to finish
-                    self._finish(tid, transfer, region, remaining, error)
-                    progressed = True
-                elif now > transfer.deadline or region.closed:
-                    self._finish(tid, transfer, region, remaining, error, expired=True)
-                    progressed = True
-            for tid, region in zombies:
-                if self._transfers[2 * tid] <= 0:
-                    with self._lock:
-                        self._zombies.pop(tid, None)
-                        self._free_ids.append(tid)
+            with self._lock:
+                rescan = now >= self._next_deadline
+                expectations = list(self._expectations) if self._expectations else ()
+            if rescan:
+                self._expire(now)
             for item in expectations:
                 imm, count, future, deadline = item
-                done = lib.fl_imm_take(self._native._ptr, imm, count)
+                done = lib.fl_imm_take(e, imm, count)
                 if done or now > deadline or future.cancelled():
                     with self._lock:
                         if item in self._expectations:
                             self._expectations.remove(item)
+                        if not self._expectations:
+                            e.imm_watch = 0
                     if done:
                         future.set_result(count)
                     elif not future.cancelled():
                         future.set_exception(TransferTimeout(f"{count} writes carrying imm {imm} did not all "
                                                              "arrive in time", buffer_safe=True))
-                    progressed = True
             self._retire_regions()
-            if progressed:
-                idle = 0.0
-                continue
-            busy = pending or expectations or zombies
-            idle = min(idle * 2 or 0.0002, 0.002) if busy else 0.05
-            self._wake.wait(idle)
-            self._wake.clear()
 
-    def _finish(self, tid, transfer, region, remaining, error, expired=False) -> None:
+    def _expire(self, now: float) -> None:
+        """Fail pending transfers whose deadline passed or whose region was closed; their ids wait (as
+        zombies) until the engine reports their last write finished."""
         with self._lock:
-            self._pending.pop(tid, None)
+            pending = list(self._pending.items())
+            expectations = [x[3] for x in self._expectations]
+        earliest = float("inf")
+        for tid, (transfer, region, routes) in pending:
+            if now > transfer.deadline or region.closed:
+                with self._lock:
+                    if self._pending.pop(tid, None) is None:
+                        continue  # finished meanwhile
+                    self._zombies[tid] = (region, routes)
+                self._finish(transfer, region, int(self._transfers[2 * tid]), int(self._transfers[2 * tid + 1]),
+                             expired=True)
+            else:
+                earliest = min(earliest, transfer.deadline)
+        with self._lock:
+            self._next_deadline = min([earliest, *expectations])
+
+    def _finish(self, transfer, region, remaining, error, expired=False) -> None:
+        with self._lock:
             region.in_use -= 1
         safe = remaining <= 0
         if transfer.cancelled():
@@ -682,20 +706,20 @@ class Engine:
                                                    "by the deadline (peer gone or stalled?)", buffer_safe=safe))
         else:
             transfer.set_result(TransferResult(transfer.bytes, transfer.writes, time.perf_counter() - transfer.started))
-        self._retire(tid, region)
 
     def _close_region(self, region: Region, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while region.in_use > 0 and time.monotonic() < deadline and not self._closed:
             time.sleep(0.001)
-        self._wake.set()  # the reaper fails what is left with RegionClosed
         with self._lock:
             self._retired_regions.append(region)
+            self._next_deadline = 0.0  # the reaper fails what is left with RegionClosed
+        lib.fl_service_wake(self._native._ptr)
 
     def _retire_regions(self) -> None:
         """Deregister closed regions once no write can still touch them."""
         with self._lock:
-            busy = {id(r) for r in self._zombies.values()} | {id(r) for _, r in self._pending.values()}
+            busy = {id(r) for r, _ in self._zombies.values()} | {id(r) for _, r, _ in self._pending.values()}
             ready = [r for r in self._retired_regions if id(r) not in busy]
             self._retired_regions = [r for r in self._retired_regions if id(r) in busy]
         for region in ready:

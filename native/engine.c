@@ -68,6 +68,13 @@ typedef struct engine_state {
     struct thread_ctx *service_ctx;
     inbox inboxes[FL_MAX_THREADS];
     fl_config service_cfg;
+    /* finished transfers, for fl_service_wait: each id is in here at most once (it is reused only
+     * after Python took it out), so transfer_capacity entries always suffice */
+    pthread_mutex_t done_lock;
+    pthread_cond_t done_cond;
+    uint32_t *done_ids;
+    uint64_t done_head, done_tail;
+    int woken;
 } engine_state;
 
 typedef struct group {
@@ -214,6 +221,21 @@ static int cq_error(thread_ctx *t, int nic_index) {
     return -1;
 }
 
+/* Wake fl_service_wait: a transfer finished, or (FL_NO_TRANSFER) something else happened. */
+static void notify(fl_engine *e, uint32_t finished) {
+    engine_state *st = e->state;
+    pthread_mutex_lock(&st->done_lock);
+    if (finished != FL_NO_TRANSFER) st->done_ids[st->done_tail++ % e->transfer_capacity] = finished;
+    else st->woken = 1;
+    pthread_cond_signal(&st->done_cond);
+    pthread_mutex_unlock(&st->done_lock);
+}
+
+static void transfer_finished_writes(fl_engine *e, uint32_t transfer, int64_t writes) {
+    if (__atomic_sub_fetch(&e->transfers[2 * (uint64_t)transfer], writes, __ATOMIC_ACQ_REL) == 0)
+        notify(e, transfer);
+}
+
 /* One write of a service transfer has finished (error < 0: failed). */
 static void transfer_done(fl_engine *e, uint32_t transfer, int error) {
     if (transfer == FL_NO_TRANSFER || !e->transfers || transfer >= e->transfer_capacity) return;
@@ -222,11 +244,16 @@ static void transfer_done(fl_engine *e, uint32_t transfer, int error) {
         __atomic_compare_exchange_n(&e->transfers[2 * (uint64_t)transfer + 1], &none, (int64_t)error, 0,
                                     __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     }
-    __atomic_fetch_sub(&e->transfers[2 * (uint64_t)transfer], 1, __ATOMIC_RELEASE);
+    transfer_finished_writes(e, transfer, 1);
 }
 
-static void count_imm(fl_engine *e, uint64_t imm) {
-    if (!e->imm_keys || imm == FL_NO_IMM) return;
+void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes) {
+    if (transfer < e->transfer_capacity && e->transfers && writes) transfer_finished_writes(e, transfer, (int64_t)writes);
+}
+
+/* 1 when the immediate data was one somebody may wait for. */
+static int count_imm(fl_engine *e, uint64_t imm) {
+    if (!e->imm_keys || imm == FL_NO_IMM) return 0;
     uint64_t key = imm + 1, mask = e->imm_capacity - 1;
     for (uint64_t probe = 0; probe <= mask; probe++) {
         uint64_t i = (imm * 0x9E3779B97F4A7C15ull + probe) & mask;
@@ -236,9 +263,10 @@ static void count_imm(fl_engine *e, uint64_t imm) {
             seen = key;
         if (seen == key) {
             __atomic_fetch_add(&e->imm_counts[i], 1, __ATOMIC_RELEASE);
-            return;
+            return 1;
         }
     }
+    return 0;
 }
 
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count) {
@@ -265,7 +293,7 @@ static int poll_nic(thread_ctx *t, int nic_index) {
     fl_nic *n = &t->e->nics[nic_index];
     nic_state *ns = &t->st->nics[nic_index];
     struct fi_cq_data_entry entries[CQ_BATCH];
-    int handled = 0;
+    int handled = 0, landed = 0;
     for (;;) {
         ssize_t got = fi_cq_read(n->cq, entries, CQ_BATCH);
         n->cq_polls++;
@@ -281,7 +309,7 @@ static int poll_nic(thread_ctx *t, int nic_index) {
             if (!slot) { /* a peer's write into our memory */
                 if (entries[i].flags & FI_REMOTE_CQ_DATA) {
                     n->arrivals++;
-                    count_imm(t->e, entries[i].data);
+                    landed |= count_imm(t->e, entries[i].data);
                 }
                 continue;
             }
@@ -302,6 +330,7 @@ static int poll_nic(thread_ctx *t, int nic_index) {
         handled += (int)got;
         if (got < CQ_BATCH) break;
     }
+    if (landed && __atomic_load_n(&t->e->imm_watch, __ATOMIC_RELAXED)) notify(t->e, FL_NO_TRANSFER);
     return handled;
 }
 
@@ -797,71 +826,10 @@ static void *service_thread(void *arg) {
     return NULL;
 }
 
-int fl_service_start(fl_engine *e, const fl_config *cfg) {
-    engine_state *st = e->state;
-    if (cfg->threads <= 0 || cfg->threads > FL_MAX_THREADS || cfg->threads > e->nnics || cfg->batch <= 0) {
-        snprintf(e->error, FL_ERROR_LEN, "invalid service configuration");
-        return e->error_code = -FI_EINVAL;
-    }
-    int rc = prepare_slots(e);
-    if (rc) return e->error_code = rc;
-    st->service_cfg = *cfg;
-    st->service_threads = cfg->threads;
-    st->service_ctx = calloc(cfg->threads, sizeof(thread_ctx));
-    if (!st->service_ctx) return e->error_code = -FI_ENOMEM;
-    for (int w = 0; w < cfg->threads; w++) {
-        inbox *box = &st->inboxes[w];
-        box->ops = calloc(INBOX_CAPACITY, sizeof(fl_op));
-        if (!box->ops) return e->error_code = -FI_ENOMEM;
-        pthread_mutex_init(&box->lock, NULL);
-        atomic_store(&box->head, 0);
-        atomic_store(&box->tail, 0);
-        thread_ctx *t = &st->service_ctx[w];
-        *t = (thread_ctx){.e = e, .cfg = &st->service_cfg, .st = st, .id = w, .service = 1,
-                          .timeout_ns = (uint64_t)(cfg->timeout_s * 1e9)};
-    }
-    for (int w = 0; w < cfg->threads; w++) {
-        rc = pthread_create(&st->service_tids[w], NULL, service_thread, &st->service_ctx[w]);
-        if (rc) {
-            fail(e, -rc, "cannot start service thread %d: %s", w, strerror(rc));
-            for (int k = 0; k < w; k++) pthread_join(st->service_tids[k], NULL);
-            st->service_threads = 0;
-            return e->error_code;
-        }
-    }
-    return 0;
-}
-
-size_t fl_service_submit(fl_engine *e, const fl_op *ops, size_t count) {
-    engine_state *st = e->state;
-    int threads = st->service_threads;
-    if (threads <= 0 || stopping(e)) return 0;
-    size_t taken = 0;
-    while (taken < count) {
-        const fl_op *op = &ops[taken];
-        if (op->nic >= e->nnics) break;
-        inbox *box = &st->inboxes[op->nic % threads];
-        pthread_mutex_lock(&box->lock);
-        uint32_t tail = atomic_load_explicit(&box->tail, memory_order_relaxed);
-        uint32_t head = atomic_load_explicit(&box->head, memory_order_acquire);
-        int full = tail - head >= INBOX_CAPACITY;
-        if (!full) {
-            box->ops[tail % INBOX_CAPACITY] = *op;
-            atomic_store_explicit(&box->tail, tail + 1, memory_order_release);
-        }
-        pthread_mutex_unlock(&box->lock);
-        if (full) break;
-        taken++;
-    }
-    return taken;
-}
-
-void fl_service_stop(fl_engine *e) {
-    engine_state *st = e->state;
-    if (!st || st->service_threads <= 0) return;
-    __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
-    for (int w = 0; w < st->service_threads; w++) pthread_join(st->service_tids[w], NULL);
-    for (int w = 0; w < st->service_threads; w++) {
+/* Join the workers that started and free what fl_service_start allocated (for `boxes` inboxes). */
+static void service_release(engine_state *st, int started, int boxes) {
+    for (int w = 0; w < started; w++) pthread_join(st->service_tids[w], NULL);
+    for (int w = 0; w < boxes; w++) {
         free(st->inboxes[w].ops);
         st->inboxes[w].ops = NULL;
         pthread_mutex_destroy(&st->inboxes[w].lock);
@@ -869,4 +837,115 @@ void fl_service_stop(fl_engine *e) {
     free(st->service_ctx);
     st->service_ctx = NULL;
     st->service_threads = 0;
+    if (st->done_ids) {
+        pthread_mutex_destroy(&st->done_lock);
+        pthread_cond_destroy(&st->done_cond);
+        free(st->done_ids);
+        st->done_ids = NULL;
+    }
+}
+
+int fl_service_start(fl_engine *e, const fl_config *cfg) {
+    engine_state *st = e->state;
+    if (cfg->threads <= 0 || cfg->threads > FL_MAX_THREADS || cfg->threads > e->nnics || cfg->batch <= 0 ||
+        !e->transfers || !e->transfer_capacity) {
+        snprintf(e->error, FL_ERROR_LEN, "invalid service configuration");
+        return e->error_code = -FI_EINVAL;
+    }
+    int rc = prepare_slots(e);
+    if (rc) return e->error_code = rc;
+    st->service_cfg = *cfg;
+    st->service_ctx = calloc(cfg->threads, sizeof(thread_ctx));
+    st->done_ids = calloc(e->transfer_capacity, sizeof(uint32_t));
+    pthread_mutex_init(&st->done_lock, NULL);
+    pthread_cond_init(&st->done_cond, NULL);
+    st->done_head = st->done_tail = 0;
+    st->woken = 0;
+    int boxes = 0;
+    for (; st->service_ctx && st->done_ids && boxes < cfg->threads; boxes++) {
+        inbox *box = &st->inboxes[boxes];
+        box->ops = calloc(INBOX_CAPACITY, sizeof(fl_op));
+        pthread_mutex_init(&box->lock, NULL);
+        if (!box->ops) break;
+        atomic_store(&box->head, 0);
+        atomic_store(&box->tail, 0);
+        st->service_ctx[boxes] = (thread_ctx){.e = e, .cfg = &st->service_cfg, .st = st, .id = boxes, .service = 1,
+                                              .timeout_ns = (uint64_t)(cfg->timeout_s * 1e9)};
+    }
+    if (boxes < cfg->threads) {
+        service_release(st, 0, boxes + (st->service_ctx && st->done_ids));
+        return e->error_code = -FI_ENOMEM;
+    }
+    for (int w = 0; w < cfg->threads; w++) {
+        rc = pthread_create(&st->service_tids[w], NULL, service_thread, &st->service_ctx[w]);
+        if (rc) {
+            fail(e, -rc, "cannot start service thread %d: %s", w, strerror(rc));
+            service_release(st, w, boxes);
+            return e->error_code;
+        }
+    }
+    st->service_threads = cfg->threads;
+    return 0;
+}
+
+uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start) {
+    engine_state *st = e->state;
+    int threads = st->service_threads;
+    if (threads <= 0 || stopping(e) || !r->routes) return 0;
+    /* One lock per worker for the whole request (taken in order, so producers never deadlock). */
+    uint32_t tail[FL_MAX_THREADS], room[FL_MAX_THREADS];
+    for (int w = 0; w < threads; w++) {
+        pthread_mutex_lock(&st->inboxes[w].lock);
+        tail[w] = atomic_load_explicit(&st->inboxes[w].tail, memory_order_relaxed);
+        room[w] = INBOX_CAPACITY - (tail[w] - atomic_load_explicit(&st->inboxes[w].head, memory_order_acquire));
+    }
+    uint64_t i = start;
+    uint32_t nic = (uint32_t)((r->first_nic + start) % (uint64_t)e->nnics);
+    for (; i < r->count; i++) {
+        int w = (int)(nic % (uint32_t)threads);
+        if (!room[w]) break;
+        room[w]--;
+        const fl_route *route = &r->routes[nic];
+        uint64_t len = r->lengths ? r->lengths[i] : r->length;
+        st->inboxes[w].ops[tail[w]++ % INBOX_CAPACITY] = (fl_op){
+            .local = r->local_base + (uint64_t)r->src[i] * r->stride,
+            .remote = route->remote_base + (uint64_t)r->dst[i] * r->stride, .len = len, .rkey = route->rkey,
+            .imm = r->imm, .desc = (void *)(uintptr_t)route->desc, .dest = route->dest, .routes = r->routes,
+            .transfer = r->transfer, .nic = (uint16_t)nic, .flags = FL_OP_IMM};
+        if (++nic == (uint32_t)e->nnics) nic = 0;
+    }
+    for (int w = threads - 1; w >= 0; w--) {
+        atomic_store_explicit(&st->inboxes[w].tail, tail[w], memory_order_release);
+        pthread_mutex_unlock(&st->inboxes[w].lock);
+    }
+    return i - start;
+}
+
+int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s) {
+    engine_state *st = e->state;
+    if (!st->done_ids) return 0;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    uint64_t ns = (uint64_t)until.tv_nsec + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+    until.tv_sec += (time_t)(ns / 1000000000ull);
+    until.tv_nsec = (long)(ns % 1000000000ull);
+    pthread_mutex_lock(&st->done_lock);
+    while (st->done_head == st->done_tail && !st->woken)
+        if (pthread_cond_timedwait(&st->done_cond, &st->done_lock, &until) == ETIMEDOUT) break;
+    int got = 0;
+    while (got < max && st->done_head != st->done_tail) ids[got++] = st->done_ids[st->done_head++ % e->transfer_capacity];
+    st->woken = 0;
+    pthread_mutex_unlock(&st->done_lock);
+    return got;
+}
+
+void fl_service_wake(fl_engine *e) {
+    if (((engine_state *)e->state)->done_ids) notify(e, FL_NO_TRANSFER);
+}
+
+void fl_service_stop(fl_engine *e) {
+    engine_state *st = e->state;
+    if (!st || st->service_threads <= 0) return;
+    __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
+    service_release(st, st->service_threads, st->service_threads);
 }

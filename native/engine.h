@@ -14,6 +14,15 @@
 #define FL_MAX_NICS 1024
 #define FL_ERROR_LEN 512
 
+/* How one NIC slot reaches a peer's region: our descriptor of the local memory in that NIC's domain, the
+ * peer's address in its address vector, and the peer's name and key for its memory behind that NIC. */
+typedef struct fl_route {
+    uint64_t desc;
+    uint64_t dest;
+    uint64_t remote_base;
+    uint64_t rkey;
+} fl_route;
+
 /* One RDMA WRITE waiting in a NIC's ring: everything fi_writemsg needs, plus who to tell. */
 typedef struct fl_op {
     uint64_t local;          /* local address of the bytes */
@@ -23,6 +32,7 @@ typedef struct fl_op {
     uint64_t imm;            /* immediate data, sent when FL_OP_IMM is set */
     void *desc;              /* local memory descriptor in this NIC's domain */
     fi_addr_t dest;
+    const fl_route *routes;  /* every NIC's route for this write, to move it to another NIC */
     uint32_t transfer;       /* the engine service's transfer this write belongs to */
     uint16_t nic;            /* which NIC slot posts it */
     uint16_t flags;
@@ -100,6 +110,7 @@ typedef struct fl_engine {
     uint32_t transfer_capacity;
     volatile uint64_t *imm_keys, *imm_counts;
     uint32_t imm_capacity;   /* a power of two */
+    volatile int imm_watch;  /* someone waits for immediate data: wake fl_service_wait when it arrives */
     void *state;                       /* engine-private */
 } fl_engine;
 
@@ -114,8 +125,31 @@ uint64_t fl_now_ns(void);
 /* Service mode: worker threads that post what fl_service_submit hands them, reap completions (counting
  * them against their transfer) and count arriving immediate data, until fl_service_stop. */
 int fl_service_start(fl_engine *e, const fl_config *cfg);
-/* Queue writes (each names its NIC); returns how many were taken (fewer when the inboxes are full). */
-size_t fl_service_submit(fl_engine *e, const fl_op *ops, size_t count);
+/* One request of fabriclab.Engine: `count` writes, write i from local_base + src[i] * stride to
+ * dst[i] * stride of the peer's region, lengths[i] bytes (or `length` when lengths is NULL), over NIC
+ * (first_nic + i) % nnics through routes[that NIC]. */
+typedef struct fl_request {
+    const fl_route *routes;
+    uint64_t local_base;
+    const int64_t *src, *dst;
+    uint64_t stride;
+    const uint64_t *lengths;
+    uint64_t length;
+    uint64_t count;
+    uint64_t imm;
+    uint32_t transfer;
+    uint32_t first_nic;
+} fl_request;
+/* Queue writes [start, count) of a request to the worker threads; returns how many were taken (fewer
+ * when the inboxes are full: submit the rest later). */
+uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
+/* Wait up to timeout_s for transfers to finish (every write completed or failed); writes their ids to
+ * `ids` (at most max) and returns how many. Returns early, with 0, on fl_service_wake or when
+ * immediate data arrives while e->imm_watch is set. Call without holding Python's GIL. */
+int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
+void fl_service_wake(fl_engine *e);
+/* `writes` of a transfer will never be posted (its submission was given up): count them as finished. */
+void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 void fl_service_stop(fl_engine *e);
 /* If at least `count` writes carrying `imm` have arrived, consume them and return 1; else 0. */
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);

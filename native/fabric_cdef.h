@@ -224,9 +224,10 @@ char *strdup(const char *s);
 /* ------------------------------------------------------------ fabriclab's native engine (engine.h) */
 #define FL_MAX_THREADS ...
 #define FL_MAX_NICS ...
+typedef struct fl_route { uint64_t desc; uint64_t dest; uint64_t remote_base; uint64_t rkey; } fl_route;
 typedef struct fl_op {
     uint64_t local; uint64_t remote; uint64_t len; uint64_t rkey; uint64_t imm; void *desc; fi_addr_t dest;
-    uint32_t transfer; uint16_t nic; uint16_t flags;
+    const fl_route *routes; uint32_t transfer; uint16_t nic; uint16_t flags;
 } fl_op;
 #define FL_OP_IMM ...
 #define FL_NO_TRANSFER ...
@@ -254,15 +255,22 @@ typedef struct fl_engine {
     int (*stage_set_context)(void *context);
     void *stage_context;
     volatile int64_t *transfers; uint32_t transfer_capacity;
-    volatile uint64_t *imm_keys, *imm_counts; uint32_t imm_capacity;
+    volatile uint64_t *imm_keys, *imm_counts; uint32_t imm_capacity; volatile int imm_watch;
     ...;
 } fl_engine;
+typedef struct fl_request {
+    const fl_route *routes; uint64_t local_base; const int64_t *src, *dst; uint64_t stride;
+    const uint64_t *lengths; uint64_t length; uint64_t count; uint64_t imm; uint32_t transfer; uint32_t first_nic;
+} fl_request;
 fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
 void fl_engine_free(fl_engine *e);
 int fl_write_run(fl_engine *e, const fl_config *cfg);
 int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s);
 uint64_t fl_now_ns(void);
 int fl_service_start(fl_engine *e, const fl_config *cfg);
-size_t fl_service_submit(fl_engine *e, const fl_op *ops, size_t count);
+uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
+int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
+void fl_service_wake(fl_engine *e);
+void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 void fl_service_stop(fl_engine *e);
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
