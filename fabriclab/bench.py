@@ -9,7 +9,9 @@ rate" that means something.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shlex
 import sys
 import threading
@@ -341,12 +343,25 @@ def api_target() -> None:
     provider, domains, nics, threads, size = sys.argv[1:6]
     # unpinned, like the stage-15 target: two engines pinned on one host would share the same cores
     with Engine(provider, domains=None if domains == "-" else domains, nics=None if nics == "-" else int(nics),
-                threads=int(threads), pin=False) as engine:
+                threads=int(threads), pin=False, gpu=False) as engine:
         region = engine.register(np.zeros(int(size), dtype=np.uint8))
         with bootstrap.Rendezvous() as rendezvous:
             print(rendezvous.port, flush=True)
             rendezvous.exchange(bootstrap.pack(engine.address, region.descriptor()))
         sys.stdin.read()
+
+
+@contextlib.contextmanager
+def _running_on(cores):
+    """Run the calling thread on ``cores`` (when there are any) for the block: as a user of the engine
+    should, so that it never preempts a worker that polls a NIC."""
+    before = os.sched_getaffinity(0)
+    if cores and cores != before:
+        os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 256, outstanding: int = 8) -> dict:
@@ -367,7 +382,8 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
         address, descriptor = bootstrap.unpack(bootstrap.exchange(port, b"bench"))
         with Engine(provider, domains=config.domain, nics=config.nics, threads=config.threads, pin=config.pin,
                     batch=config.batch, fi_more=config.fi_more, timeout=config.timeout,
-                    in_flight=config.in_flight) as engine:
+                    in_flight=config.in_flight, gpu=False) as engine, _running_on(engine.housekeeping_cores):
+            caller_cores = os.sched_getaffinity(0)
             source = np.frombuffer(np.random.default_rng(1).bytes(plan.buffer_bytes), dtype=np.uint8).copy()
             region = engine.register(source)
             peer = engine.connect(address)
@@ -404,7 +420,7 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
         target.wait(30)
     return {"raw_gbps": raw.gbps, "api_gbps": api_gbps, "ratio": api_gbps / raw.gbps if raw.gbps else 0.0,
             "us_per_call": overhead, "page_size": plan.page_size, "threads": config.threads, "nics": raw.nics,
-            "provider": provider}
+            "provider": provider, "caller_cores": sorted(caller_cores)}
 
 
 def add_arguments(p) -> None:
@@ -492,7 +508,8 @@ def main(args) -> int:
         r = api_comparison(config)
         print(f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {_size(r['page_size'])} pages: "
               f"stage-15 path {r['raw_gbps']:.2f} Gbps, Engine.write_pages {r['api_gbps']:.2f} Gbps "
-              f"({r['ratio'] * 100:.1f} % of it)")
+              f"({r['ratio'] * 100:.1f} % of it); the calling thread ran on cores "
+              f"{','.join(map(str, r['caller_cores']))}")
         print("Python cost per write_pages call: " + ", ".join(f"{n} page(s) {us:.1f} us"
                                                               for n, us in r["us_per_call"].items()))
         if args.json:

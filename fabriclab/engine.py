@@ -400,7 +400,11 @@ class Engine:
     topology group that has NICs, at most the NIC count), pinned to the cores fabriclab.topology
     proposes (two pinned engines on one host would share those cores: give one ``pin=False``);
     ``timeout`` is every transfer's default deadline in seconds; ``gpu`` (default: when CUDA is here)
-    opens the NICs able to register GPU memory.
+    opens the NICs able to register GPU memory (on shm that variant moves host memory more slowly: say
+    ``gpu=False`` when you only move host memory).
+
+    Pinned workers poll their NICs without rest, so keep your own busy threads off their cores:
+    ``os.sched_setaffinity(0, engine.housekeeping_cores)`` (the engine's own reaper thread runs there).
     """
 
     def __init__(self, provider: str | None = None, *, nics: int | None = None, domains=None,
@@ -442,9 +446,9 @@ class Engine:
             cfg.threads, cfg.groups, cfg.batch, cfg.lazy, cfg.fi_more = self.threads, self.threads, batch, 1, int(fi_more)
             cfg.timeout_s = timeout
             cfg.pin = int(pin)
-            if pin:
-                for i, core in enumerate(multi_nic.worker_cores(self.threads, self.provider)):
-                    cfg.cores[i] = core
+            self.worker_cores = multi_nic.worker_cores(self.threads, self.provider) if pin else []
+            for i, core in enumerate(self.worker_cores):
+                cfg.cores[i] = core
             e.stop = 0
             if lib.fl_service_start(e, cfg) != 0:
                 raise fi.FabricError("fl_service_start", e.error_code, message=ffi.string(e.error).decode())
@@ -460,6 +464,8 @@ class Engine:
         self._expectations: list[tuple[int, int, concurrent.futures.Future, float]] = []
         self._retired_regions: list[Region] = []
         self._next_deadline = float("inf")  # the earliest deadline the reaper has to look at
+        # The workers poll without rest; any other busy thread landing on their cores stalls a NIC.
+        self.housekeeping_cores = frozenset(os.sched_getaffinity(0)) - frozenset(self.worker_cores)
         self._reaper = threading.Thread(target=self._reap, name="fabriclab-engine-reaper", daemon=True)
         self._reaper.start()
         self._finalizer = weakref.finalize(self, Engine._close_at_exit, weakref.ref(self))
@@ -632,6 +638,8 @@ class Engine:
         waits without the GIL); enforce deadlines; count expected immediate data."""
         finished = ffi.new("uint32_t[]", 1024)
         e = self._native._ptr
+        if self.worker_cores and self.housekeeping_cores:
+            os.sched_setaffinity(0, self.housekeeping_cores)  # this thread only
         while not self._closed:
             with self._lock:
                 busy = self._pending or self._expectations or self._zombies
