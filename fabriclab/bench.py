@@ -72,6 +72,7 @@ class BenchConfig:
     server_domain: str | None = None  # the target's domains when they differ (two namespaces or hosts)
     server_launcher: str = ""  # command prefix for the target, e.g. "ip netns exec fabriclab-a"
     line_rate_bps: float = 0.0  # the links' aggregate, when known (a shaped testbed, a NIC's speed)
+    link_timeout: float | None = None  # engine stages: a link silent this long is failed over (None: timeout/3)
 
     def writer_options(self) -> dict:
         """Constructor options of this stage's writer (each stage takes its own and its ancestors')."""
@@ -81,7 +82,7 @@ class BenchConfig:
             options["in_flight"] = self.in_flight
         if issubclass(cls, multi_nic.MultiNicWriter):
             options.update(nics=self.nics, domains=self.domain, groups=self.threads, warmup=self.warmup > 0,
-                           in_flight=self.in_flight)
+                           in_flight=self.in_flight, link_timeout=self.link_timeout)
         if issubclass(cls, threaded.ThreadedWriter):
             options.update(threads=self.threads, pin=self.pin, shard=self.shard, pad=self.pad)
         if issubclass(cls, batched.BatchedWriter):
@@ -129,6 +130,7 @@ class BenchResult:
     paths: dict = field(default_factory=dict)
     per_nic: list = field(default_factory=list)
     label: str = ""
+    duplicates: int = 0  # writes that landed twice after a link failure (counted once in landed)
 
     COLUMNS = ("stage", "provider", "memory", "nics", "threads", "page", "in flight", "bytes", "elapsed s", "Gbps",
                "Mops/s", "ns CPU/op", "verified")
@@ -283,7 +285,7 @@ class Bench:
             memcpy_gbps=ceiling, ratio_to_memcpy=stats.gbps / ceiling if ceiling else 0.0,
             nics=getattr(stats, "nics", 1), emulated_nics=getattr(stats, "emulated_nics", 0), threads=threads,
             landed_gbps=stats.bytes * 8 / report.landed_s / 1e9 if report.landed_s > 0 else 0.0,
-            paths=paths, per_nic=getattr(stats, "per_nic", []), label=label)
+            paths=paths, per_nic=getattr(stats, "per_nic", []), label=label, duplicates=report.duplicates)
 
     def close(self) -> None:
         for _, writer in self._writers.values():
@@ -451,6 +453,9 @@ def add_arguments(p) -> None:
     engine.add_argument("--batch", type=int, default=batched.DEFAULT_BATCH, help="writes per pass (default 16)")
     engine.add_argument("--no-lazy", dest="lazy", action="store_false", help="post on every enqueue")
     engine.add_argument("--fi-more", action="store_true", help="FI_MORE on all but the last write of a run")
+    engine.add_argument("--link-timeout", type=float, default=None,
+                        help="seconds without a completion before a NIC's link is declared down and its writes "
+                             "re-sent over the group's other NICs (default: a third of --timeout; 0: never)")
     p.add_argument("--server-domain", default=None,
                    help="the target's domains when they differ from --domain (e.g. the other namespace's links)")
     p.add_argument("--server-launcher", default="",
@@ -466,7 +471,7 @@ def config_from_args(args) -> BenchConfig:
                        verify=args.verify, timeout=args.timeout, nics=args.nics, threads=args.threads, pin=args.pin,
                        shard=args.shard, pad=args.pad, batch=args.batch, lazy=args.lazy, fi_more=args.fi_more,
                        server_domain=args.server_domain, server_launcher=args.server_launcher,
-                       line_rate_bps=args.line_rate)
+                       line_rate_bps=args.line_rate, link_timeout=args.link_timeout)
 
 
 def parse_rate(text: str) -> float:
@@ -494,6 +499,12 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
             split = ", ".join(f"{n['nic']}:{n['bytes'] * 8 / r.elapsed_s / 1e9:.2f}" for n in r.per_nic[:32]) \
                 if r.elapsed_s else ""
             print(f"  per-NIC Gbps: {split}")
+        for n in r.per_nic:
+            if n.get("down"):
+                print(f"  link down: NIC {n['nic']} ({n['domain']}): {n['down']}; {n['resent']} of its writes were "
+                      f"sent again over the other links")
+        if r.duplicates:
+            print(f"  {r.duplicates} write(s) landed twice (sent again after a link failure); counted once")
         why = r.paths.get("local_why") or r.paths.get("remote_why")
         if why:
             print(f"  GPU memory was staged through pinned host memory: {why}")

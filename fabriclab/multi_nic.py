@@ -255,7 +255,9 @@ class NativeEngine:
             out.append({"nic": slot.index, "domain": slot.domain_name, "emulated": slot.emulated, "group": n.group,
                         "bytes": int(n.bytes), "writes": int(n.writes), "completions": int(n.completions),
                         "eagain": int(n.eagain), "cq_polls": int(n.cq_polls), "errors": int(n.errors),
-                        "arrivals": int(n.arrivals), "more_flushes": int(n.more_flushes)})
+                        "arrivals": int(n.arrivals), "more_flushes": int(n.more_flushes),
+                        "down": ffi.string(n.down_why).decode(errors="replace") if n.down else "",
+                        "resent": int(n.resent)})
         return out
 
     def close(self) -> None:
@@ -299,9 +301,14 @@ class MultiNicTarget(rdma_write.Target):
             dest = slot.av.insert(fi.Address.parse(address))
             self.engine.set_peer(slot.index, dest, fi.RemoteRegion(0, 0, 0))
         self.counts = np.zeros(plan.pages, dtype=np.uint32)
+        # one bit per write of the run: a write sent again after a link failure is counted once
+        self.seen = np.zeros((request.get("writes", 0) + 63) // 64, dtype=np.uint64)
         e = self.engine._ptr
         e.stop = 0
         e.page_counts = ffi.cast("uint32_t *", self.counts.ctypes.data)
+        e.seen_writes = ffi.cast("uint64_t *", self.seen.ctypes.data) if self.seen.size else ffi.NULL
+        e.seen_capacity = request.get("writes", 0)
+        e.duplicates = 0
         e.pages = plan.pages
         e.target_page_size, e.target_buffer_bytes = plan.page_size, plan.buffer_bytes
         e.expected_arrivals = 2 ** 64 - 1
@@ -338,7 +345,7 @@ class MultiNicTarget(rdma_write.Target):
         why = ffi.string(e.error).decode(errors="replace") if self._loop_rc else ""
         return Report(arrivals, int(np.count_nonzero(self.counts)), int(self.counts.min()), int(self.counts.max()),
                       verified, mismatched, self.registrations[0].path, why,
-                      (e.last_arrival_ns - e.first_arrival_ns) / 1e9)
+                      (e.last_arrival_ns - e.first_arrival_ns) / 1e9, int(e.duplicates))
 
     def release(self) -> None:
         if self._loop is not None and self._loop.is_alive():
@@ -383,7 +390,8 @@ class MultiNicWriter(Writer):
 
     def __init__(self, stack: fi.EndpointStack, server_address, timeout: float = fi.DEFAULT_TIMEOUT, *,
                  nics: int | None = None, domains=None, groups: int = 1, warmup: bool = True,
-                 in_flight: int | None = None, target_threads: int | None = None, cores: list[int] | None = None):
+                 in_flight: int | None = None, target_threads: int | None = None, cores: list[int] | None = None,
+                 link_timeout: float | None = None):
         if nics is not None and nics <= 0:
             raise fi.UsageError(f"the number of NICs must be at least 1, got {nics}")
         if groups <= 0:
@@ -395,6 +403,11 @@ class MultiNicWriter(Writer):
         self.in_flight = in_flight
         self.target_threads = target_threads
         self.cores = cores
+        # A link with writes in flight and no completion for this long is declared down and its writes
+        # go over the group's other NICs; well below the timeout, after which the whole run fails.
+        self.link_timeout = timeout / 3 if link_timeout is None else link_timeout
+        if self.link_timeout < 0:
+            raise fi.UsageError(f"link timeout must be 0 (never fail over) or positive, got {link_timeout}")
         self.nicset: NicSet | None = None
         self.engine: NativeEngine | None = None
         self.registrations: list[memory.Registration] = []
@@ -402,7 +415,7 @@ class MultiNicWriter(Writer):
     @classmethod
     def options_from_args(cls, args) -> dict:
         """Constructor options from this stage's command-line switches (see add_engine_options)."""
-        return {"groups": args.groups, "warmup": args.warmup}
+        return {"groups": args.groups, "warmup": args.warmup, "link_timeout": args.link_timeout}
 
     # -- the chapter switches: later stages extend this
     def switches(self) -> dict:
@@ -421,6 +434,7 @@ class MultiNicWriter(Writer):
             raise fi.UsageError(f"{groups} GPU groups need at least as many NICs, got {len(self.nicset.slots)}")
         request = {"page_size": plan.page_size, "buffer_bytes": plan.buffer_bytes, "memory": memory_kind,
                    "seed": seed, "nics": len(self.nicset.slots), "addresses": self.nicset.addresses(),
+                   "writes": plan.writes,
                    "target_threads": self.target_threads or self.threads}
         reply = json.loads(self._call(PREPARE_NICS, request, REGIONS))
         self.plan, self.writes_issued = plan, 0
@@ -457,6 +471,7 @@ class MultiNicWriter(Writer):
         staging = self.registrations[0].staging
         cfg.local_base = (staging or self.source).pointer  # what the NIC reads: the pinned copy when staged
         cfg.timeout_s = self.timeout
+        cfg.link_timeout_s = self.link_timeout
         return cfg
 
     def worker_cores(self, threads: int) -> list[int]:
@@ -471,8 +486,7 @@ class MultiNicWriter(Writer):
         self.engine.run(lib.fl_write_run, cfg, timeout=self.timeout)
         cpu = time.process_time() - cpu0
         e = self.engine._ptr
-        warmups = len(self.nicset.slots) if self.warmup else 0
-        self.writes_issued = self.plan.writes + warmups
+        self.writes_issued = self.plan.writes  # warm-up writes are numbered past these; the target skips them
         return EngineStats(int(e.timed_writes), int(e.timed_bytes), float(e.elapsed_s), cpu,
                            sum(int(self.engine.nic(i).eagain) for i in range(len(self.nicset.slots))),
                            nics=len(self.nicset.slots), emulated_nics=self.nicset.emulated, threads=cfg.threads,
@@ -518,6 +532,9 @@ def add_engine_options(parser) -> None:
     parser.add_argument("--nics", type=int, default=None, help="NIC slots (default: every domain; more = emulated)")
     parser.add_argument("--groups", type=int, default=1, help="GPU groups the NICs are split into (default 1)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="chapter 9: no warm-up writes")
+    parser.add_argument("--link-timeout", type=float, default=None,
+                        help="seconds without a completion before a NIC's link is declared down and its writes "
+                             "re-sent over the others (default: a third of --timeout; 0: never)")
 
 
 def connect_with(cls, args) -> int:

@@ -90,6 +90,7 @@ class Report:
     path: str = "host"
     why: str = ""
     landed_s: float = 0.0  # from the first write landing to the last, on the target's clock
+    duplicates: int = 0  # writes that landed twice (sent again after a link failure), counted once above
 
 
 class TargetMailbox(Mailbox):

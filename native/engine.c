@@ -23,9 +23,9 @@
 
 typedef struct op_slot {
     struct fi_context2 ctx; /* first: the completion's op_context points here */
-    uint64_t len;
-    uint32_t transfer;
+    fl_op op;               /* what was posted: sent again elsewhere if its link goes down */
     uint32_t next_free;
+    int in_flight;
 } op_slot;
 
 #define INBOX_CAPACITY 65536u
@@ -42,6 +42,7 @@ struct group;
 
 typedef struct nic_state {
     op_slot *slots;
+    uint64_t last_ok_ns;    /* last completion, or the post that gave an idle NIC work */
     uint32_t free_head;
     int last_had_more;
     struct group *group; /* the group that drives this NIC during a write run */
@@ -84,6 +85,12 @@ typedef struct group {
     uint64_t quota, issued, completed; /* timed writes: to do, enqueued, completed */
 } group;
 
+/* A write waiting for room on one of its group's NICs after its own link went down. */
+typedef struct spilled {
+    struct group *group;
+    uint64_t seq;
+} spilled;
+
 typedef struct thread_ctx {
     fl_engine *e;
     const fl_config *cfg;
@@ -97,6 +104,8 @@ typedef struct thread_ctx {
     uint64_t remaining; /* timed writes of this thread's groups not yet completed */
     uint64_t timed_bytes;
     uint32_t pages;
+    spilled *spill;     /* grows only when a link goes down, never on the hot path */
+    size_t spill_len, spill_cap;
 } thread_ctx;
 
 uint64_t fl_now_ns(void) {
@@ -175,6 +184,10 @@ static int prepare_slots(fl_engine *e) {
         n->in_flight = 0;
         n->bytes = n->writes = n->completions = n->eagain = n->cq_polls = n->errors = n->arrivals = 0;
         n->more_flushes = 0;
+        n->down = 0;
+        n->down_ns = n->resent = 0;
+        n->down_why[0] = 0;
+        ns->last_ok_ns = 0;
     }
     return 0;
 }
@@ -196,8 +209,10 @@ static inline void count_finished(thread_ctx *t) {
 }
 
 static void transfer_done(fl_engine *e, uint32_t transfer, int error);
+static int link_down(thread_ctx *t, int nic_index, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
-/* Returns 0 when the engine can go on (a service transfer failed), -1 when it must stop. */
+/* Returns 0 when the engine can go on (a service transfer failed), 1 when the NIC's link was declared
+ * down (stop reading it), -1 when the engine must stop. */
 static int cq_error(thread_ctx *t, int nic_index) {
     fl_nic *n = &t->e->nics[nic_index];
     struct fi_cq_err_entry err = {0};
@@ -211,12 +226,15 @@ static int cq_error(thread_ctx *t, int nic_index) {
         nic_state *ns = &t->st->nics[nic_index];
         op_slot *slot = err.op_context;
         n->in_flight--;
-        transfer_done(t->e, slot->transfer, err.err ? -err.err : -FI_EIO);
+        slot->in_flight = 0;
+        transfer_done(t->e, slot->op.transfer, err.err ? -err.err : -FI_EIO);
         slot->next_free = ns->free_head;
         ns->free_head = (uint32_t)(slot - ns->slots);
         return 0;
     }
     const char *detail = fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf);
+    if (t->cfg->link_timeout_s > 0)
+        return link_down(t, nic_index, "a write failed: %s (%s)", fi_strerror(err.err), detail ? detail : "") < 0 ? -1 : 1;
     fail(t->e, -err.err, "NIC %d: write failed: %s (%s)", nic_index, fi_strerror(err.err), detail ? detail : "");
     return -1;
 }
@@ -297,13 +315,15 @@ static int poll_nic(thread_ctx *t, int nic_index) {
     int handled = 0, landed = 0;
     /* Completions of one transfer come in runs: count a run with one atomic on its shared counter. */
     uint32_t run_transfer = FL_NO_TRANSFER;
-    int64_t run_writes = 0;
+    int64_t run_writes = 0, completed = 0;
     for (;;) {
         ssize_t got = fi_cq_read(n->cq, entries, CQ_BATCH);
         n->cq_polls++;
         if (got == -FI_EAGAIN) break;
         if (got == -FI_EAVAIL) {
-            if (cq_error(t, nic_index) < 0) return -1;
+            int rc = cq_error(t, nic_index);
+            if (rc < 0) return -1;
+            if (rc > 0) return handled + 1;
             handled++;
             continue;
         }
@@ -317,17 +337,19 @@ static int poll_nic(thread_ctx *t, int nic_index) {
                 }
                 continue;
             }
-            uint64_t len = slot->len;
-            if (slot->transfer != run_transfer) {
+            uint64_t len = slot->op.len;
+            if (slot->op.transfer != run_transfer) {
                 if (t->e->transfers) transfer_finished_writes(t->e, run_transfer, run_writes);
-                run_transfer = slot->transfer;
+                run_transfer = slot->op.transfer;
                 run_writes = 0;
             }
             run_writes++;
+            completed++;
+            slot->in_flight = 0;
             n->bytes += len;
             n->completions++;
             n->in_flight--;
-            if (t->timed) {
+            if (t->timed && slot->op.imm < t->cfg->total_writes) { /* not a warm-up write */
                 t->timed_bytes += len;
                 ns->group->completed++;
                 t->remaining--;
@@ -340,11 +362,13 @@ static int poll_nic(thread_ctx *t, int nic_index) {
         if (got < CQ_BATCH) break;
     }
     if (t->e->transfers) transfer_finished_writes(t->e, run_transfer, run_writes);
+    if (completed) ns->last_ok_ns = fl_now_ns();
     if (landed && __atomic_load_n(&t->e->imm_watch, __ATOMIC_RELAXED)) notify(t->e, FL_NO_TRANSFER);
     return handled;
 }
 
-/* 0 posted, 1 the provider said -FI_EAGAIN, -1 error. */
+/* 0 posted, 1 the provider said -FI_EAGAIN, 2 refused (its service transfer failed), 3 the NIC's link
+ * was declared down (its writes moved to other NICs), -1 error. */
 static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t extra_flags) {
     fl_nic *n = &t->e->nics[nic_index];
     nic_state *ns = &t->st->nics[nic_index];
@@ -354,11 +378,12 @@ static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t ex
     struct fi_rma_iov rma = {.addr = op->remote, .len = op->len, .key = op->rkey};
     struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = op->dest,
                              .rma_iov = &rma, .rma_iov_count = 1, .context = &slot->ctx, .data = op->imm};
-    slot->len = op->len;
-    slot->transfer = op->transfer;
+    slot->op = *op;
     uint64_t flags = FI_COMPLETION | extra_flags | ((op->flags & FL_OP_IMM) ? FI_REMOTE_CQ_DATA : 0);
     ssize_t rc = fi_writemsg(n->ep, &msg, flags);
     if (rc == 0) {
+        if (n->in_flight == 0) ns->last_ok_ns = fl_now_ns(); /* the link's clock starts with work */
+        slot->in_flight = 1;
         ns->free_head = slot->next_free;
         n->in_flight++;
         n->writes++;
@@ -375,16 +400,23 @@ static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t ex
         transfer_done(t->e, op->transfer, (int)rc);
         return 2;
     }
+    if (t->cfg->link_timeout_s > 0) {
+        n->errors++;
+        return link_down(t, nic_index, "fi_writemsg: %s", fi_strerror((int)-rc)) < 0 ? -1 : 3;
+    }
     fail(t->e, (int)rc, "NIC %d: fi_writemsg: %s", nic_index, fi_strerror((int)-rc));
     return -1;
 }
 
-/* The write chapters 9-15 move: page p of the buffer to page p of the peer, immediate data p. */
-static void page_op(const fl_config *cfg, const fl_nic *n, int nic_index, uint32_t page, uint64_t base, fl_op *op) {
-    uint64_t off = (uint64_t)page * cfg->page_size;
-    *op = (fl_op){.local = base + off, .remote = n->remote_base + off, .len = page_length(cfg, page),
-                  .rkey = n->rkey, .imm = page, .desc = n->desc, .dest = n->dest, .transfer = FL_NO_TRANSFER,
-                  .nic = (uint16_t)nic_index, .flags = FL_OP_IMM};
+/* Write number `seq` of a run (chapters 9-15): page seq % pages of the buffer to the same page of the
+ * peer, immediate data seq, so the target can tell a write sent twice after a link failure. */
+static void page_op(const thread_ctx *t, int nic_index, uint64_t seq, fl_op *op) {
+    const fl_nic *n = &t->e->nics[nic_index];
+    uint32_t page = (uint32_t)(seq % t->pages);
+    uint64_t off = (uint64_t)page * t->cfg->page_size;
+    *op = (fl_op){.local = t->cfg->local_base + off, .remote = n->remote_base + off,
+                  .len = page_length(t->cfg, page), .rkey = n->rkey, .imm = seq, .desc = n->desc, .dest = n->dest,
+                  .transfer = FL_NO_TRANSFER, .nic = (uint16_t)nic_index, .flags = FL_OP_IMM};
 }
 
 static int check_timeout(thread_ctx *t, int nic_index) {
@@ -396,6 +428,19 @@ static int check_timeout(thread_ctx *t, int nic_index) {
     return 0;
 }
 
+/* Failover (write runs): a link with writes in flight and no completion for link_timeout_s is down. */
+static inline int link_stalled(const thread_ctx *t, int nic_index, uint64_t now) {
+    const fl_nic *n = &t->e->nics[nic_index];
+    uint64_t last = t->st->nics[nic_index].last_ok_ns;
+    return t->cfg->link_timeout_s > 0 && !t->service && !n->down && n->in_flight > 0 && now > last &&
+           now - last > (uint64_t)(t->cfg->link_timeout_s * 1e9);
+}
+
+static int check_link(thread_ctx *t, int nic_index) {
+    return link_down(t, nic_index, "no completion for %.1f s with %u writes in flight", t->cfg->link_timeout_s,
+                     t->e->nics[nic_index].in_flight) < 0 ? -1 : 0;
+}
+
 /* The FI_MORE flush rule: a run of writes posted with FI_MORE always ends in one without it. When the
  * provider refuses the next write (-FI_EAGAIN) right after an FI_MORE write, that write is posted again
  * without FI_MORE, reaping completions in between, until the provider takes it. */
@@ -404,6 +449,7 @@ static int flush_more(thread_ctx *t, int nic_index) {
     for (;;) {
         const fl_op *op = &n->ring[n->ring_head % n->ring_capacity];
         int rc = n->in_flight < n->max_in_flight ? post_write(t, nic_index, op, 0) : 1;
+        if (rc == 3) return 0;
         if (rc == 0 || rc == 2) {
             n->ring_head++;
             n->more_flushes++;
@@ -412,7 +458,9 @@ static int flush_more(thread_ctx *t, int nic_index) {
         if (rc < 0 || stopping(t->e)) return -1;
         int got = poll_nic(t, nic_index);
         if (got < 0) return -1;
+        if (n->down) return 0;
         if (got > 0) t->last_progress_ns = fl_now_ns();
+        else if (link_stalled(t, nic_index, fl_now_ns())) return check_link(t, nic_index);
         else if (check_timeout(t, nic_index)) return -1;
     }
 }
@@ -429,6 +477,7 @@ static int progress_pending(thread_ctx *t, int nic_index) {
         int more = t->cfg->fi_more && available > 1 && run + 1 < MORE_RUN_MAX;
         const fl_op *op = &n->ring[n->ring_head % n->ring_capacity];
         int rc = post_write(t, nic_index, op, more ? FI_MORE : 0);
+        if (rc == 3) return 0;
         if (rc == 0 || rc == 2) { /* 2: refused for good; its transfer has been failed */
             n->ring_head++;
             run = more && rc == 0 ? run + 1 : 0;
@@ -466,21 +515,98 @@ static inline int done(thread_ctx *t) {
     return atomic_load_explicit(&t->st->shared_finished, memory_order_relaxed) >= t->cfg->total_writes;
 }
 
+/* Queue write `seq` again on the next live NIC of its group, or park it until one has room. */
+static int requeue(thread_ctx *t, group *g, uint64_t seq) {
+    for (uint32_t tries = 0; tries < (uint32_t)g->nnics; tries++) {
+        int nic = g->nics[g->rr++ % (uint32_t)g->nnics];
+        fl_nic *n = &t->e->nics[nic];
+        if (ring_full(n)) continue;
+        page_op(t, nic, seq, ring_slot(n));
+        n->ring_tail++;
+        return 0;
+    }
+    if (t->spill_len == t->spill_cap) {
+        size_t cap = t->spill_cap ? 2 * t->spill_cap : 4096;
+        spilled *grown = realloc(t->spill, cap * sizeof *grown);
+        if (!grown) {
+            fail(t->e, -FI_ENOMEM, "no memory to re-queue the writes of a failed link");
+            return -1;
+        }
+        t->spill = grown;
+        t->spill_cap = cap;
+    }
+    t->spill[t->spill_len++] = (spilled){g, seq};
+    return 0;
+}
+
+static int requeue_spilled(thread_ctx *t) {
+    size_t waiting = t->spill_len;
+    spilled *parked = t->spill;
+    t->spill = NULL;
+    t->spill_len = t->spill_cap = 0;
+    int rc = 0;
+    for (size_t i = 0; i < waiting && rc == 0; i++) rc = requeue(t, parked[i].group, parked[i].seq);
+    free(parked);
+    return rc;
+}
+
+/* Declare a NIC's link down: stop using it, and send its writes again over the group's other NICs — those
+ * in flight too, since whether they landed is unknown (the target counts each write once). Returns -1
+ * (engine failed, the link named) when the group has no NIC left. */
+static int link_down(thread_ctx *t, int nic_index, const char *fmt, ...) {
+    fl_nic *n = &t->e->nics[nic_index];
+    nic_state *ns = &t->st->nics[nic_index];
+    group *g = ns->group;
+    if (n->down) return 0;
+    n->down = 1;
+    n->down_ns = fl_now_ns();
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(n->down_why, sizeof n->down_why, fmt, ap);
+    va_end(ap);
+    int k = 0;
+    while (k < g->nnics && g->nics[k] != nic_index) k++;
+    if (k < g->nnics) memmove(&g->nics[k], &g->nics[k + 1], sizeof(int) * (size_t)(g->nnics - k - 1));
+    g->nnics -= k < g->nnics;
+    if (g->nnics == 0) {
+        fail(t->e, -FI_EHOSTUNREACH, "NIC %d: link down (%s), and it was the last NIC of group %d: every link "
+             "to the peer is down", nic_index, n->down_why, g->id);
+        return -1;
+    }
+    /* warm-up writes (numbered from total_writes on) are not counted by the target: nothing to redo */
+    for (uint32_t s = 0; s < n->max_in_flight; s++)
+        if (ns->slots[s].in_flight) {
+            ns->slots[s].in_flight = 0;
+            if (ns->slots[s].op.imm >= t->cfg->total_writes) continue;
+            n->resent++;
+            if (requeue(t, g, ns->slots[s].op.imm) < 0) return -1;
+        }
+    for (; n->ring_head != n->ring_tail; n->ring_head++) {
+        n->resent++;
+        if (requeue(t, g, n->ring[n->ring_head % n->ring_capacity].imm) < 0) return -1;
+    }
+    n->in_flight = 0;
+    return 0;
+}
+
 static int warm_up(thread_ctx *t) {
     for (int i = 0; i < t->ngroups; i++) {
         group *g = &t->groups[i];
         for (int k = 0; k < g->nnics; k++) {
             int nic = g->nics[k];
-            uint32_t page = (uint32_t)g->id % t->pages;
+            /* untimed: numbered after the run's writes, which are all a target counts */
+            uint64_t seq = t->cfg->total_writes + (uint64_t)nic;
+            uint32_t page = (uint32_t)(seq % t->pages);
             if (t->e->stage_device_base && stage_page(t->e, t->e->stage_host_base, t->e->stage_device_base,
                                                       (uint64_t)page * t->cfg->page_size, page_length(t->cfg, page)))
                 return -1;
             fl_op op;
-            page_op(t->cfg, &t->e->nics[nic], nic, page, t->cfg->local_base, &op);
+            page_op(t, nic, seq, &op);
             int rc;
             t->last_progress_ns = fl_now_ns();
             while ((rc = post_write(t, nic, &op, 0)) == 1) { /* a peer that never answers must not hang us */
                 if (poll_nic(t, nic) < 0 || stopping(t->e) || check_timeout(t, nic)) return -1;
+                if (t->e->nics[nic].down) break;
             }
             if (rc < 0) return -1;
         }
@@ -494,7 +620,10 @@ static int warm_up(thread_ctx *t) {
                 int got = poll_nic(t, nic);
                 if (got < 0 || stopping(t->e)) return -1;
                 if (got > 0) t->last_progress_ns = fl_now_ns();
-                else if (check_timeout(t, nic)) return -1;
+                else if (link_stalled(t, nic, fl_now_ns())) {
+                    if (check_link(t, nic) < 0) return -1;
+                    k--; /* the group's NICs moved down by one */
+                } else if (check_timeout(t, nic)) return -1;
             }
         }
     }
@@ -522,6 +651,7 @@ static void *writer_thread(void *arg) {
     uint64_t passes = 0;
     while (!stopping(e) && !done(t)) {
         int progressed = 0;
+        if (t->spill_len && requeue_spilled(t) < 0) goto out;
         for (int i = 0; i < t->ngroups; i++) {
             group *g = &t->groups[i];
             for (int k = 0; k < g->nnics; k++) {
@@ -529,16 +659,17 @@ static void *writer_thread(void *arg) {
                 if (got < 0) goto out;
                 progressed |= got > 0;
                 /* as in chapter 7: after draining the queue, post what is pending */
-                if (progress_pending(t, g->nics[k]) < 0) goto out;
+                if (k < g->nnics && progress_pending(t, g->nics[k]) < 0) goto out;
             }
             for (int b = 0; b < cfg->batch && g->issued < g->quota; b++) {
                 int nic = g->nics[g->rr++ % (uint32_t)g->nnics];
-                uint32_t page = (uint32_t)((g->id + g->issued * (uint64_t)cfg->groups) % t->pages);
+                uint64_t seq = g->id + g->issued * (uint64_t)cfg->groups;
+                uint32_t page = (uint32_t)(seq % t->pages);
                 if (ring_full(&e->nics[nic])) break;
                 if (e->stage_device_base && stage_page(e, e->stage_host_base, e->stage_device_base,
                                                        (uint64_t)page * cfg->page_size, page_length(cfg, page)))
                     goto out;
-                page_op(cfg, &e->nics[nic], nic, page, cfg->local_base, ring_slot(&e->nics[nic]));
+                page_op(t, nic, seq, ring_slot(&e->nics[nic]));
                 e->nics[nic].ring_tail++;
                 g->issued++;
                 /* before chapter 15 every enqueue also tries to post; lazy posting leaves that to the
@@ -546,7 +677,15 @@ static void *writer_thread(void *arg) {
                 if (!cfg->lazy && progress_pending(t, nic) < 0) goto out;
             }
         }
+        if (cfg->link_timeout_s > 0 && (passes & 1023) == 0) {
+            uint64_t now = fl_now_ns();
+            for (int i = 0; i < t->ngroups; i++)
+                for (int k = 0; k < t->groups[i].nnics; k++)
+                    if (link_stalled(t, t->groups[i].nics[k], now) && check_link(t, t->groups[i].nics[k]) < 0)
+                        goto out;
+        }
         if (progressed) {
+            passes++;
             t->last_progress_ns = fl_now_ns();
         } else if ((++passes & 255) == 0 && t->remaining) {
             for (int i = 0; i < t->ngroups; i++)
@@ -555,6 +694,8 @@ static void *writer_thread(void *arg) {
         }
     }
 out:
+    free(t->spill);
+    t->spill = NULL;
     st->end_ns[t->id] = fl_now_ns();
     st->timed_bytes[t->id] = t->timed_bytes;
     atomic_fetch_add(&st->finished_threads, 1);
@@ -717,7 +858,16 @@ static void *target_thread(void *arg) {
             uint64_t counted = 0;
             for (ssize_t k = 0; k < got; k++) {
                 if (!(entries[k].flags & FI_REMOTE_CQ_DATA)) continue;
-                uint64_t page = entries[k].data;
+                uint64_t seq = entries[k].data;
+                if (e->seen_writes) {
+                    if (seq >= e->seen_capacity) continue; /* a warm-up write */
+                    uint64_t bit = 1ull << (seq & 63);
+                    if (__atomic_fetch_or(&e->seen_writes[seq >> 6], bit, __ATOMIC_RELAXED) & bit) {
+                        __atomic_fetch_add(&e->duplicates, 1, __ATOMIC_RELAXED);
+                        continue;
+                    }
+                }
+                uint64_t page = e->pages ? seq % e->pages : seq;
                 if (page < e->pages) {
                     __atomic_fetch_add(&e->page_counts[page], 1, __ATOMIC_RELAXED);
                     if (e->stage_device_base) {

@@ -59,6 +59,11 @@ typedef struct fl_nic {
     uint32_t in_flight;
     /* counters, written only by the thread that owns the NIC */
     uint64_t bytes, writes, completions, eagain, cq_polls, errors, arrivals, more_flushes;
+    /* failover (write runs): the link was declared down, when (fl_now_ns), why, and how many of its
+     * writes were sent again over the group's other NICs (in flight: outcome unknown; or still queued) */
+    int down;
+    uint64_t down_ns, resent;
+    char down_why[160];
 } __attribute__((aligned(64))) fl_nic;
 
 typedef struct fl_config {
@@ -76,7 +81,9 @@ typedef struct fl_config {
     uint64_t page_size;
     uint64_t buffer_bytes;  /* the region written cyclically, page by page */
     uint64_t local_base;    /* address of the local buffer (source of the writes) */
-    double timeout_s;       /* no completion on a NIC with work for this long: the peer is gone */
+    double timeout_s;       /* no completion on any NIC with work for this long: the peer is gone */
+    double link_timeout_s;  /* no completion on one NIC with work for this long: that link is down; its
+                             * writes go to the group's other NICs (0: never declare a link down) */
 } fl_config;
 
 typedef struct fl_engine {
@@ -89,10 +96,15 @@ typedef struct fl_engine {
     double elapsed_s;                  /* timed part of the last run */
     uint64_t timed_writes, timed_bytes;
     /* target side */
-    uint32_t *page_counts;             /* arrivals per page (immediate data = page index) */
+    uint32_t *page_counts;             /* distinct writes landed per page (page = immediate data % pages) */
     uint64_t pages;
-    volatile uint64_t expected_arrivals; /* the target stops once this many have landed */
-    volatile uint64_t arrivals;        /* published total */
+    /* A write run's immediate data is the write's sequence number; a bit per number tells a write sent
+     * again after a link failure (it may have landed already) from a new one. */
+    uint64_t *seen_writes;
+    uint64_t seen_capacity;            /* bits */
+    volatile uint64_t duplicates;      /* arrivals of a write that had landed before */
+    volatile uint64_t expected_arrivals; /* the target stops once this many distinct writes have landed */
+    volatile uint64_t arrivals;        /* published total of distinct writes */
     uint64_t first_arrival_ns, last_arrival_ns; /* when the target saw the first and last write land */
     uint64_t target_page_size, target_buffer_bytes;
     /* Staged GPU memory: the NIC sees a pinned host copy at stage_host_base; each page is copied from

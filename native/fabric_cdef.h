@@ -236,18 +236,21 @@ typedef struct fl_nic {
     struct fid_ep *ep; struct fid_cq *cq; void *desc; fi_addr_t dest; uint64_t remote_base; uint64_t rkey;
     int group; uint32_t max_in_flight; uint32_t ring_capacity; uint32_t in_flight;
     uint64_t bytes, writes, completions, eagain, cq_polls, errors, arrivals, more_flushes;
+    int down; uint64_t down_ns, resent; char down_why[...];
     ...;
 } fl_nic;
 typedef struct fl_config {
     int threads; int groups; int warmup; int pin; int shard; int pad; int batch; int lazy; int fi_more;
     int cores[...];
     uint64_t total_writes; uint64_t page_size; uint64_t buffer_bytes; uint64_t local_base; double timeout_s;
+    double link_timeout_s;
     ...;
 } fl_config;
 typedef struct fl_engine {
     int nnics; fl_nic *nics; volatile int stop; int error_code; char error[...];
     double elapsed_s; uint64_t timed_writes, timed_bytes;
-    uint32_t *page_counts; uint64_t pages; volatile uint64_t expected_arrivals; volatile uint64_t arrivals;
+    uint32_t *page_counts; uint64_t pages; uint64_t *seen_writes; uint64_t seen_capacity; volatile uint64_t duplicates;
+    volatile uint64_t expected_arrivals; volatile uint64_t arrivals;
     uint64_t first_arrival_ns, last_arrival_ns;
     uint64_t target_page_size, target_buffer_bytes;
     uint64_t stage_device_base, stage_host_base;
