@@ -379,7 +379,8 @@ static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t ex
     struct fi_msg_rma msg = {.msg_iov = &iov, .desc = &desc, .iov_count = 1, .addr = op->dest,
                              .rma_iov = &rma, .rma_iov_count = 1, .context = &slot->ctx, .data = op->imm};
     slot->op = *op;
-    uint64_t flags = FI_COMPLETION | extra_flags | ((op->flags & FL_OP_IMM) ? FI_REMOTE_CQ_DATA : 0);
+    uint64_t flags = FI_COMPLETION | extra_flags | ((op->flags & FL_OP_IMM) ? FI_REMOTE_CQ_DATA : 0) |
+                     (t->cfg->link_timeout_s > 0 && !t->service ? FI_DELIVERY_COMPLETE : 0);
     ssize_t rc = fi_writemsg(n->ep, &msg, flags);
     if (rc == 0) {
         if (n->in_flight == 0) ns->last_ok_ns = fl_now_ns(); /* the link's clock starts with work */

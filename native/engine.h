@@ -83,7 +83,9 @@ typedef struct fl_config {
     uint64_t local_base;    /* address of the local buffer (source of the writes) */
     double timeout_s;       /* no completion on any NIC with work for this long: the peer is gone */
     double link_timeout_s;  /* no completion on one NIC with work for this long: that link is down; its
-                             * writes go to the group's other NICs (0: never declare a link down) */
+                             * writes go to the group's other NICs (0: never declare a link down). With
+                             * failover on, writes ask for FI_DELIVERY_COMPLETE: over tcp a write otherwise
+                             * completes once its bytes are in a socket buffer, and a dead link loses them */
 } fl_config;
 
 typedef struct fl_engine {

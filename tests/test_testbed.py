@@ -2,6 +2,8 @@
 across one link, link failure, random loss, and cleanup. Needs root and iproute2; skipped otherwise with
 the reason. Traffic only ever flows between the test's own namespaces."""
 import ipaddress
+import json
+import os
 import re
 import socket
 import struct
@@ -331,6 +333,80 @@ def test_link_down_fails_cleanly_and_link_up_restores(tb):
     if "did not happen within" not in err:
         pytest.xfail(f"the error names the symptom, not the timeout (fi.EndpointStack closing with an operation "
                      f"in flight masks the FabricTimeout): {err.strip()}")
+
+
+def start_bench(tb, *options, total="128M"):
+    """The final stage's bench over every link of ``tb`` (writer in the client namespace, target in the
+    server's), started in the background; ``--json`` puts the result on the last line."""
+    return subprocess.Popen([*tb.launcher("client"), sys.executable, "-m", "fabriclab", "bench", "--stage", "batched",
+                             "--provider", tb.provider, "--domain", ",".join(l.client_if for l in tb.links),
+                             "--server-domain", ",".join(l.server_if for l in tb.links),
+                             "--server-launcher", " ".join(tb.launcher("server")), "--nics", str(len(tb.links)),
+                             "--threads", "1", "--page-size", "64K", "--total", total, "--json", *options],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def wait_for_traffic(tb, link, proc, nbytes=4 << 20, within=60.0):
+    """Return once ``nbytes`` more have reached the server's end of ``link``: the run is under way."""
+    base = tb.counters(link)["server"]["rx"]["bytes"]
+    deadline = time.monotonic() + within
+    while tb.counters(link)["server"]["rx"]["bytes"] - base < nbytes:
+        assert proc.poll() is None, f"bench ended before the fault: {proc.communicate()}"
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.02)
+
+
+def finish(proc, timeout):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return out, err
+
+
+@pytest.mark.netns
+def test_link_down_mid_transfer_fails_over_to_the_other_links(tb):
+    bench = start_bench(tb, "--link-timeout", "1", "--timeout", "20")
+    try:
+        wait_for_traffic(tb, 2, bench)
+        tb.link_down(2)
+        out, err = finish(bench, 120)
+    finally:
+        tb.link_up(2)
+    assert bench.returncode == 0, err[-2000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    down = [n for n in result["per_nic"] if n["down"]]
+    print(f"\nlink 2 down mid-run: {[(n['domain'], n['down'], n['resent']) for n in down]}; landed {result['landed']} "
+          f"of {result['writes']} writes ({result['duplicates']} twice), verified {result['verified']}")
+    assert [n["domain"] for n in down] == [tb.links[2].client_if]  # the failed link, named
+    assert "no completion" in down[0]["down"] or "fail" in down[0]["down"] or "unreachable" in down[0]["down"]
+    assert down[0]["resent"] > 0 and result["per_nic"][2]["bytes"] > 0  # it failed while carrying writes
+    # every write landed, each counted once however often it was sent, and the bytes are exact
+    assert result["verified"] is True and result["landed"] == result["writes"] == (128 << 20) // (64 << 10)
+    assert "link down: NIC 2 (fl2b)" in out
+
+
+@pytest.mark.netns
+def test_every_link_down_is_a_clear_error(tb):
+    timeout = 8
+    bench = start_bench(tb, "--link-timeout", "1", "--timeout", str(timeout))
+    try:
+        wait_for_traffic(tb, 1, bench)
+        for link in range(LINKS):
+            tb.link_down(link, side="client")
+        start = time.monotonic()
+        out, err = finish(bench, timeout + 60)
+        took = time.monotonic() - start
+    finally:
+        for link in range(LINKS):
+            tb.link_up(link)
+    print(f"\nevery link down: exit {bench.returncode} after {took:.1f} s: {err.strip()[-300:]}")
+    assert bench.returncode not in (0, None) and took < timeout + 30
+    assert err.strip().startswith("error:") and "Traceback" not in err
+    assert "every link to the peer is down" in err
 
 
 @pytest.mark.netns
