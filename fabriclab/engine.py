@@ -399,7 +399,10 @@ class Engine:
     ``nics`` above the real count adds emulated NICs); ``threads`` worker threads (default: one per
     topology group that has NICs, at most the NIC count), pinned to the cores fabriclab.topology
     proposes (two pinned engines on one host would share those cores: give one ``pin=False``);
-    ``timeout`` is every transfer's default deadline in seconds; ``gpu`` (default: when CUDA is here)
+    ``timeout`` is every transfer's default deadline in seconds; a NIC with writes in flight and no
+    completion for ``link_timeout`` seconds (default a third of ``timeout``; 0: never) no longer reaches
+    those writes' peers: they go over the other NICs (failover; ``stats()`` names the NIC) and fail with
+    PeerLost when no NIC reaches the peer; ``gpu`` (default: when CUDA is here)
     opens the NICs able to register GPU memory (on shm that variant moves host memory more slowly: say
     ``gpu=False`` when you only move host memory).
 
@@ -409,9 +412,13 @@ class Engine:
 
     def __init__(self, provider: str | None = None, *, nics: int | None = None, domains=None,
                  threads: int | None = None, pin: bool = True, batch: int = 16, fi_more: bool = False,
-                 timeout: float = 30.0, in_flight: int | None = None, gpu: bool | None = None):
+                 timeout: float = 30.0, in_flight: int | None = None, gpu: bool | None = None,
+                 link_timeout: float | None = None):
         if timeout <= 0:
             raise fi.UsageError("timeout must be positive")
+        link_timeout = timeout / 3 if link_timeout is None else link_timeout
+        if link_timeout < 0:
+            raise fi.UsageError(f"link_timeout must be 0 (no failover) or positive, got {link_timeout}")
         self.timeout = timeout
         self.id = secrets.randbits(63) | 1
         self._lock = threading.Lock()
@@ -445,6 +452,7 @@ class Engine:
             cfg = ffi.new("fl_config *")
             cfg.threads, cfg.groups, cfg.batch, cfg.lazy, cfg.fi_more = self.threads, self.threads, batch, 1, int(fi_more)
             cfg.timeout_s = timeout
+            cfg.link_timeout_s = link_timeout
             cfg.pin = int(pin)
             self.worker_cores = multi_nic.worker_cores(self.threads, self.provider) if pin else []
             for i, core in enumerate(self.worker_cores):
@@ -508,7 +516,9 @@ class Engine:
     def connect(self, address) -> Peer:
         """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world."""
         self._check_open()
-        return Peer(self, address)
+        peer = Peer(self, address)
+        self._native._ptr.revive_epoch += 1  # a restarted peer may be behind paths marked dead
+        return peer
 
     def expect(self, imm: int, count: int, timeout: float | None = None) -> concurrent.futures.Future:
         """A future that completes when ``count`` writes carrying ``imm`` have landed here (counted, never

@@ -26,7 +26,10 @@ typedef struct op_slot {
     fl_op op;               /* what was posted: sent again elsewhere if its link goes down */
     uint32_t next_free;
     int in_flight;
+    int abandoned;          /* sent again elsewhere: a late completion only frees the slot */
 } op_slot;
+
+#define MAX_DEAD_PATHS 32
 
 #define INBOX_CAPACITY 65536u
 
@@ -43,6 +46,10 @@ struct group;
 typedef struct nic_state {
     op_slot *slots;
     uint64_t last_ok_ns;    /* last completion, or the post that gave an idle NIC work */
+    /* service mode: peers this NIC no longer reaches (a stalled link or a gone peer); beyond
+     * MAX_DEAD_PATHS the whole NIC is taken as down */
+    fi_addr_t dead_dests[MAX_DEAD_PATHS];
+    int dead_paths;
     uint32_t free_head;
     int last_had_more;
     struct group *group; /* the group that drives this NIC during a write run */
@@ -106,6 +113,8 @@ typedef struct thread_ctx {
     uint32_t pages;
     spilled *spill;     /* grows only when a link goes down, never on the hot path */
     size_t spill_len, spill_cap;
+    uint32_t revive_seen; /* service: the e->revive_epoch this worker's dead paths belong to */
+    uint32_t reroute_rr;
 } thread_ctx;
 
 uint64_t fl_now_ns(void) {
@@ -188,6 +197,7 @@ static int prepare_slots(fl_engine *e) {
         n->down_ns = n->resent = 0;
         n->down_why[0] = 0;
         ns->last_ok_ns = 0;
+        ns->dead_paths = 0;
     }
     return 0;
 }
@@ -225,9 +235,13 @@ static int cq_error(thread_ctx *t, int nic_index) {
     if (t->service && err.op_context) {
         nic_state *ns = &t->st->nics[nic_index];
         op_slot *slot = err.op_context;
-        n->in_flight--;
-        slot->in_flight = 0;
-        transfer_done(t->e, slot->op.transfer, err.err ? -err.err : -FI_EIO);
+        if (slot->abandoned) {
+            slot->abandoned = 0;
+        } else {
+            n->in_flight--;
+            slot->in_flight = 0;
+            transfer_done(t->e, slot->op.transfer, err.err ? -err.err : -FI_EIO);
+        }
         slot->next_free = ns->free_head;
         ns->free_head = (uint32_t)(slot - ns->slots);
         return 0;
@@ -330,6 +344,12 @@ static int poll_nic(thread_ctx *t, int nic_index) {
         if (got < 0) { fail(t->e, (int)got, "NIC %d: fi_cq_read: %s", nic_index, fi_strerror((int)-got)); return -1; }
         for (ssize_t i = 0; i < got; i++) {
             op_slot *slot = entries[i].op_context;
+            if (slot && slot->abandoned) { /* it was sent again elsewhere; that copy is the one counted */
+                slot->abandoned = 0;
+                slot->next_free = ns->free_head;
+                ns->free_head = (uint32_t)(slot - ns->slots);
+                continue;
+            }
             if (!slot) { /* a peer's write into our memory */
                 if (entries[i].flags & FI_REMOTE_CQ_DATA) {
                     n->arrivals++;
@@ -372,6 +392,7 @@ static int poll_nic(thread_ctx *t, int nic_index) {
 static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t extra_flags) {
     fl_nic *n = &t->e->nics[nic_index];
     nic_state *ns = &t->st->nics[nic_index];
+    if (ns->free_head >= n->max_in_flight) return 1; /* every context is held by an abandoned write */
     op_slot *slot = &ns->slots[ns->free_head];
     struct iovec iov = {.iov_base = (void *)(uintptr_t)op->local, .iov_len = op->len};
     void *desc = op->desc;
@@ -380,7 +401,7 @@ static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t ex
                              .rma_iov = &rma, .rma_iov_count = 1, .context = &slot->ctx, .data = op->imm};
     slot->op = *op;
     uint64_t flags = FI_COMPLETION | extra_flags | ((op->flags & FL_OP_IMM) ? FI_REMOTE_CQ_DATA : 0) |
-                     (t->cfg->link_timeout_s > 0 && !t->service ? FI_DELIVERY_COMPLETE : 0);
+                     (t->cfg->link_timeout_s > 0 ? FI_DELIVERY_COMPLETE : 0);
     ssize_t rc = fi_writemsg(n->ep, &msg, flags);
     if (rc == 0) {
         if (n->in_flight == 0) ns->last_ok_ns = fl_now_ns(); /* the link's clock starts with work */
@@ -433,7 +454,7 @@ static int check_timeout(thread_ctx *t, int nic_index) {
 static inline int link_stalled(const thread_ctx *t, int nic_index, uint64_t now) {
     const fl_nic *n = &t->e->nics[nic_index];
     uint64_t last = t->st->nics[nic_index].last_ok_ns;
-    return t->cfg->link_timeout_s > 0 && !t->service && !n->down && n->in_flight > 0 && now > last &&
+    return t->cfg->link_timeout_s > 0 && !n->down && n->in_flight > 0 && now > last &&
            now - last > (uint64_t)(t->cfg->link_timeout_s * 1e9);
 }
 
@@ -926,6 +947,96 @@ int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double t
 
 /* ----------------------------------------------------------------------------------------- service */
 
+static int path_dead(const fl_engine *e, const nic_state *ns, int nic_index, fi_addr_t dest) {
+    if (e->nics[nic_index].down) return 1;
+    for (int i = 0; i < ns->dead_paths; i++)
+        if (ns->dead_dests[i] == dest) return 1;
+    return 0;
+}
+
+static int push_inbox(engine_state *st, int worker, const fl_op *op) {
+    inbox *box = &st->inboxes[worker];
+    pthread_mutex_lock(&box->lock);
+    uint32_t tail = atomic_load_explicit(&box->tail, memory_order_relaxed);
+    int room = tail - atomic_load_explicit(&box->head, memory_order_acquire) < INBOX_CAPACITY;
+    if (room) {
+        box->ops[tail % INBOX_CAPACITY] = *op;
+        atomic_store_explicit(&box->tail, tail + 1, memory_order_release);
+    }
+    pthread_mutex_unlock(&box->lock);
+    return room;
+}
+
+/* Service mode: send a write through another NIC that still reaches its peer (this worker's first, then
+ * the others' through their inboxes); fail it when no NIC does. */
+static void service_reroute(thread_ctx *t, const fl_op *failed) {
+    fl_engine *e = t->e;
+    int threads = t->cfg->threads;
+    for (int pass = 0; pass < 2; pass++) {
+        for (int i = 0; i < e->nnics; i++) {
+            int k = (int)((t->reroute_rr + (uint32_t)i) % (uint32_t)e->nnics);
+            int mine = k % threads == t->id;
+            const fl_route *route = &failed->routes[k];
+            /* another worker's table is read without its lock: a stale answer only costs one more hop */
+            if (k == failed->nic || mine != (pass == 0) || path_dead(e, &t->st->nics[k], k, route->dest)) continue;
+            fl_op op = *failed;
+            op.remote = route->remote_base + (failed->remote - failed->routes[failed->nic].remote_base);
+            op.rkey = route->rkey;
+            op.desc = (void *)(uintptr_t)route->desc;
+            op.dest = route->dest;
+            op.nic = (uint16_t)k;
+            if (mine && !ring_full(&e->nics[k])) {
+                *ring_slot(&e->nics[k]) = op;
+                e->nics[k].ring_tail++;
+            } else if (!push_inbox(t->st, k % threads, &op)) {
+                continue;
+            }
+            t->reroute_rr = (uint32_t)k + 1;
+            return;
+        }
+    }
+    transfer_done(e, failed->transfer, -FI_EHOSTUNREACH);
+}
+
+/* Service mode: a NIC with writes in flight and no completion for link_timeout_s no longer reaches the
+ * peers of those writes. Mark those paths dead and send the writes (in flight: outcome unknown; or
+ * queued) through other NICs. */
+static void service_paths_down(thread_ctx *t, int nic_index) {
+    fl_nic *n = &t->e->nics[nic_index];
+    nic_state *ns = &t->st->nics[nic_index];
+    int marked = 0;
+    for (uint32_t s = 0; s < n->max_in_flight; s++) {
+        op_slot *slot = &ns->slots[s];
+        if (!slot->in_flight || path_dead(t->e, ns, nic_index, slot->op.dest)) continue;
+        if (ns->dead_paths < MAX_DEAD_PATHS) ns->dead_dests[ns->dead_paths++] = slot->op.dest;
+        else n->down = 1;
+        marked++;
+    }
+    n->down_ns = fl_now_ns();
+    snprintf(n->down_why, sizeof n->down_why, "no completion for %.1f s with %u writes in flight: %d peer path(s) "
+             "marked down", t->cfg->link_timeout_s, n->in_flight, marked);
+    for (uint32_t s = 0; s < n->max_in_flight; s++) {
+        op_slot *slot = &ns->slots[s];
+        if (!slot->in_flight) continue;
+        slot->in_flight = 0;
+        slot->abandoned = 1;
+        n->in_flight--;
+        n->resent++;
+        service_reroute(t, &slot->op);
+    }
+    uint32_t keep = n->ring_head;
+    for (uint32_t i = n->ring_head; i != n->ring_tail; i++) {
+        fl_op op = n->ring[i % n->ring_capacity];
+        if (path_dead(t->e, ns, nic_index, op.dest)) {
+            n->resent++;
+            service_reroute(t, &op);
+        } else {
+            n->ring[keep++ % n->ring_capacity] = op;
+        }
+    }
+    n->ring_tail = keep;
+}
+
 /* Move what the submitter queued for this worker into its NICs' rings (at most `budget`). */
 static int drain_inbox(thread_ctx *t, uint32_t budget) {
     inbox *box = &t->st->inboxes[t->id];
@@ -935,6 +1046,14 @@ static int drain_inbox(thread_ctx *t, uint32_t budget) {
     while (head != tail && moved < budget) {
         fl_op *op = &box->ops[head % INBOX_CAPACITY];
         fl_nic *n = &t->e->nics[op->nic];
+        if (path_dead(t->e, &t->st->nics[op->nic], op->nic, op->dest)) {
+            head++; /* first, so that a reroute to this very inbox finds room */
+            atomic_store_explicit(&box->head, head, memory_order_release);
+            fl_op rerouted = *op;
+            service_reroute(t, &rerouted);
+            moved++;
+            continue;
+        }
         if (ring_full(n)) break; /* keep order: wait until that NIC's ring has room */
         *ring_slot(n) = *op;
         n->ring_tail++;
@@ -959,7 +1078,22 @@ static void *service_thread(void *arg) {
     int resting = 0;
     uint64_t quiet_since = fl_now_ns();
     t->last_progress_ns = quiet_since;
+    uint64_t passes = 0;
+    t->revive_seen = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
     while (!stopping(e)) {
+        uint32_t epoch = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
+        if (epoch != t->revive_seen) { /* a peer (re)connected: every path gets another chance */
+            t->revive_seen = epoch;
+            for (int k = t->id; k < e->nnics; k += cfg->threads) {
+                t->st->nics[k].dead_paths = 0;
+                e->nics[k].down = 0;
+            }
+        }
+        if (cfg->link_timeout_s > 0 && (++passes & 1023) == 0) {
+            uint64_t now = fl_now_ns();
+            for (int k = t->id; k < e->nnics; k += cfg->threads)
+                if (link_stalled(t, k, now)) service_paths_down(t, k);
+        }
         int busy = drain_inbox(t, (uint32_t)cfg->batch * 64);
         uint32_t outstanding = 0;
         for (int k = t->id; k < e->nnics; k += cfg->threads) {

@@ -125,6 +125,7 @@ typedef struct fl_engine {
     volatile uint64_t *imm_keys, *imm_counts;
     uint32_t imm_capacity;   /* a power of two */
     volatile int imm_watch;  /* someone waits for immediate data: wake fl_service_wait when it arrives */
+    volatile uint32_t revive_epoch; /* bumped when a peer connects: service workers forget dead paths */
     void *state;                       /* engine-private */
 } fl_engine;
 

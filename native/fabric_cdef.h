@@ -259,6 +259,7 @@ typedef struct fl_engine {
     void *stage_context;
     volatile int64_t *transfers; uint32_t transfer_capacity;
     volatile uint64_t *imm_keys, *imm_counts; uint32_t imm_capacity; volatile int imm_watch;
+    volatile uint32_t revive_epoch;
     ...;
 } fl_engine;
 typedef struct fl_request {
