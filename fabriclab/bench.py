@@ -366,16 +366,35 @@ def _running_on(cores):
         os.sched_setaffinity(0, before)
 
 
-def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 256, outstanding: int = 8) -> dict:
+def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 256, outstanding: int = 8,
+                   rounds: int = 3) -> dict:
     """The same workload through ``Engine.write_pages`` (pages in calls of ``batch_pages``, up to
-    ``outstanding`` calls in flight) and through the stage-15 path (``batched``), plus the Python cost
-    of one ``write_pages`` call of 1, 16 and 256 pages."""
+    ``outstanding`` calls in flight) and through the stage-15 path (``batched``), alternating ``rounds``
+    times and compared by their medians (one run of each swings by 10-20 % on a busy host), plus the
+    Python cost of one ``write_pages`` call of 1, 16 and 256 pages."""
+    raw_runs, api_runs, overhead = [], [], {}
+    for _ in range(rounds):
+        raw = run(BenchConfig(**{**asdict(config), "stage": "batched", "verify": False}))
+        raw_runs.append(raw.gbps)
+        gbps, measured, caller_cores = _api_round(config, raw.provider, () if overhead else calls, batch_pages,
+                                                  outstanding)
+        api_runs.append(gbps)
+        overhead = overhead or measured
+    raw_gbps, api_gbps = float(np.median(raw_runs)), float(np.median(api_runs))
+    return {"raw_gbps": raw_gbps, "api_gbps": api_gbps, "ratio": api_gbps / raw_gbps if raw_gbps else 0.0,
+            "raw_runs": raw_runs, "api_runs": api_runs, "us_per_call": overhead,
+            "page_size": config.page_size, "threads": config.threads, "nics": raw.nics, "provider": raw.provider,
+            "caller_cores": sorted(caller_cores)}
+
+
+def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outstanding: int):
+    """One timed pass through the Engine (a fresh target process and engine, so that neither idles beside
+    the raw runs); returns Gbps, the Python µs per call for each size in ``calls``, and the calling
+    thread's cores."""
     import subprocess
     from . import bootstrap
     from .engine import Engine
-    raw = run(BenchConfig(**{**asdict(config), "stage": "batched", "verify": False}))
     plan = rdma_write.PagePlan.for_total(config.page_size, config.total)
-    provider = raw.provider
     target = subprocess.Popen([sys.executable, "-c", "from fabriclab.bench import api_target; api_target()", provider,
                                config.domain or "-", str(config.nics or "-"), str(config.threads),
                                str(plan.buffer_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -402,8 +421,7 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
                     in_flight.pop(0).result()
             for t in in_flight:
                 t.result()
-            elapsed = time.perf_counter() - t0
-            api_gbps = pages.size * plan.page_size * 8 / elapsed / 1e9
+            gbps = pages.size * plan.page_size * 8 / (time.perf_counter() - t0) / 1e9
             overhead = {}
             for n in calls:
                 chunk = pages[:min(n, whole)]
@@ -420,9 +438,7 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
     finally:
         target.stdin.close()
         target.wait(30)
-    return {"raw_gbps": raw.gbps, "api_gbps": api_gbps, "ratio": api_gbps / raw.gbps if raw.gbps else 0.0,
-            "us_per_call": overhead, "page_size": plan.page_size, "threads": config.threads, "nics": raw.nics,
-            "provider": provider, "caller_cores": sorted(caller_cores)}
+    return gbps, overhead, caller_cores
 
 
 def add_arguments(p) -> None:
@@ -519,7 +535,9 @@ def main(args) -> int:
         r = api_comparison(config)
         print(f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {_size(r['page_size'])} pages: "
               f"stage-15 path {r['raw_gbps']:.2f} Gbps, Engine.write_pages {r['api_gbps']:.2f} Gbps "
-              f"({r['ratio'] * 100:.1f} % of it); the calling thread ran on cores "
+              f"({r['ratio'] * 100:.1f} % of it); medians of {len(r['raw_runs'])} alternating runs "
+              f"(stage 15: {', '.join(f'{g:.1f}' for g in r['raw_runs'])}; Engine: "
+              f"{', '.join(f'{g:.1f}' for g in r['api_runs'])}); the calling thread ran on cores "
               f"{','.join(map(str, r['caller_cores']))}")
         print("Python cost per write_pages call: " + ", ".join(f"{n} page(s) {us:.1f} us"
                                                               for n, us in r["us_per_call"].items()))

@@ -221,3 +221,13 @@ def test_lifecycles_do_not_leak():
     gc.collect()
     assert open_fds() <= fds
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 64 * 1024  # KiB: no steady growth
+
+
+def test_bench_api_compares_engine_and_stage_15_paths(fabric):
+    from fabriclab.bench import BenchConfig, api_comparison
+    result = api_comparison(BenchConfig(provider=fabric[0], domain=fabric[1], total=8 << 20, nics=2, timeout=20),
+                            calls=(1, 16), rounds=2)
+    assert len(result["raw_runs"]) == len(result["api_runs"]) == 2
+    assert result["raw_gbps"] > 0 and result["api_gbps"] > 0
+    assert result["ratio"] == pytest.approx(result["api_gbps"] / result["raw_gbps"])
+    assert set(result["us_per_call"]) == {1, 16} and all(us > 0 for us in result["us_per_call"].values())
