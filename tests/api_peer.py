@@ -1,8 +1,11 @@
 """A peer process for the API tests: an Engine with one registered buffer that waits for writes.
 
-    python tests/api_peer.py PROVIDER DOMAIN SIZE
+    python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex]
 prints its bootstrap port, swaps (address, descriptor) with the test over it, then answers commands
-read from stdin, one per line: "expect IMM COUNT" -> "landed COUNT sha256=..." (or "timeout"), "digest"."""
+read from stdin, one per line: "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (or "timeout"),
+"digest". DOMAIN may name several NICs, comma-separated. With --hex it prints the packed (address,
+descriptor) as one hex line instead of a port: a test outside the peer's network namespace cannot reach
+the peer's loopback, but it can always read the peer's stdout."""
 import hashlib
 import sys
 
@@ -11,12 +14,16 @@ import numpy as np
 from fabriclab import Engine, TransferTimeout, bootstrap
 
 provider, domain, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
+bootstrap_as_hex = sys.argv[4:] == ["--hex"]
 with Engine(provider, domains=None if domain == "-" else domain, pin=False, timeout=10) as engine:
     buffer = np.zeros(size, dtype=np.uint8)
     region = engine.register(buffer)
-    with bootstrap.Rendezvous() as rendezvous:
-        print(rendezvous.port, flush=True)
-        rendezvous.exchange(bootstrap.pack(engine.address, region.descriptor()))
+    if bootstrap_as_hex:
+        print(bootstrap.pack(engine.address, region.descriptor()).hex(), flush=True)
+    else:
+        with bootstrap.Rendezvous() as rendezvous:
+            print(rendezvous.port, flush=True)
+            rendezvous.exchange(bootstrap.pack(engine.address, region.descriptor()))
     for line in sys.stdin:
         words = line.split()
         if words[0] == "expect":
