@@ -83,7 +83,7 @@ class OutOfRange(TransferError, IndexError):
 
 
 _PEER_GONE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENOTCONN, errno.EPIPE,
-              errno.ESRCH, errno.ECONNABORTED, errno.EIO, errno.ENETUNREACH, errno.EHOSTDOWN}
+              errno.ESRCH, errno.ECONNABORTED, errno.EIO, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ECANCELED}
 
 
 # ---------------------------------------------------------------------------------------- results
@@ -716,7 +716,9 @@ class Engine:
             code = -error
             text = f"{errno.errorcode.get(code, code)}: {os.strerror(code) if code < 4096 else ''}".strip()
             kind = PeerLost if code in _PEER_GONE else TransferError
-            transfer.set_exception(kind(f"a write of the transfer failed ({text})", buffer_safe=safe))
+            what = ("no NIC reaches the peer any more (each path failed or stalled: peer gone or every link down)"
+                    if code == errno.EHOSTUNREACH else f"a write of the transfer failed ({text})")
+            transfer.set_exception(kind(what, buffer_safe=safe))
         elif expired and region.closed:
             transfer.set_exception(RegionClosed("the region was closed while the transfer used it", buffer_safe=safe))
         elif expired:

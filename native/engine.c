@@ -219,6 +219,11 @@ static inline void count_finished(thread_ctx *t) {
 }
 
 static void transfer_done(fl_engine *e, uint32_t transfer, int error);
+static int path_error(int err);
+static int path_dead(const fl_engine *e, const nic_state *ns, int nic_index, fi_addr_t dest);
+static void mark_path_dead(fl_engine *e, nic_state *ns, int nic_index, fi_addr_t dest);
+static void service_reroute(thread_ctx *t, const fl_op *failed);
+static void reroute_dead_paths(thread_ctx *t, int nic_index);
 static int link_down(thread_ctx *t, int nic_index, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 /* Returns 0 when the engine can go on (a service transfer failed), 1 when the NIC's link was declared
@@ -237,6 +242,16 @@ static int cq_error(thread_ctx *t, int nic_index) {
         op_slot *slot = err.op_context;
         if (slot->abandoned) {
             slot->abandoned = 0;
+        } else if (t->cfg->link_timeout_s > 0 && path_error(err.err)) {
+            /* this NIC no longer reaches that peer: the write and the others bound there go elsewhere
+             * (a gone peer ends as PeerLost once no NIC reaches it) */
+            n->in_flight--;
+            slot->in_flight = 0;
+            n->resent++;
+            mark_path_dead(t->e, ns, nic_index, slot->op.dest);
+            snprintf(n->down_why, sizeof n->down_why, "a write failed: %s", fi_strerror(err.err));
+            service_reroute(t, &slot->op);
+            reroute_dead_paths(t, nic_index);
         } else {
             n->in_flight--;
             slot->in_flight = 0;
@@ -417,9 +432,16 @@ static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t ex
         n->eagain++;
         return 1;
     }
-    if (t->service) { /* this write fails its transfer; the engine goes on */
+    if (t->service) { /* failed over when the way to the peer failed, else its transfer fails */
         n->errors++;
-        transfer_done(t->e, op->transfer, (int)rc);
+        if (t->cfg->link_timeout_s > 0 && path_error((int)-rc)) {
+            mark_path_dead(t->e, ns, nic_index, op->dest);
+            snprintf(n->down_why, sizeof n->down_why, "fi_writemsg: %s", fi_strerror((int)-rc));
+            n->resent++;
+            service_reroute(t, op);
+        } else {
+            transfer_done(t->e, op->transfer, (int)rc);
+        }
         return 2;
     }
     if (t->cfg->link_timeout_s > 0) {
@@ -498,6 +520,12 @@ static int progress_pending(thread_ctx *t, int nic_index) {
         uint32_t available = pending < room ? pending : room;
         int more = t->cfg->fi_more && available > 1 && run + 1 < MORE_RUN_MAX;
         const fl_op *op = &n->ring[n->ring_head % n->ring_capacity];
+        if (ns->dead_paths && path_dead(t->e, ns, nic_index, op->dest)) { /* marked since it was queued */
+            n->resent++;
+            service_reroute(t, op);
+            n->ring_head++;
+            continue;
+        }
         int rc = post_write(t, nic_index, op, more ? FI_MORE : 0);
         if (rc == 3) return 0;
         if (rc == 0 || rc == 2) { /* 2: refused for good; its transfer has been failed */
@@ -998,26 +1026,20 @@ static void service_reroute(thread_ctx *t, const fl_op *failed) {
     transfer_done(e, failed->transfer, -FI_EHOSTUNREACH);
 }
 
-/* Service mode: a NIC with writes in flight and no completion for link_timeout_s no longer reaches the
- * peers of those writes. Mark those paths dead and send the writes (in flight: outcome unknown; or
- * queued) through other NICs. */
-static void service_paths_down(thread_ctx *t, int nic_index) {
+static void mark_path_dead(fl_engine *e, nic_state *ns, int nic_index, fi_addr_t dest) {
+    if (path_dead(e, ns, nic_index, dest)) return;
+    if (ns->dead_paths < MAX_DEAD_PATHS) ns->dead_dests[ns->dead_paths++] = dest;
+    else e->nics[nic_index].down = 1;
+}
+
+/* Send every write of a NIC whose path is dead (in flight: outcome unknown; or queued) through other NICs. */
+static void reroute_dead_paths(thread_ctx *t, int nic_index) {
     fl_nic *n = &t->e->nics[nic_index];
     nic_state *ns = &t->st->nics[nic_index];
-    int marked = 0;
-    for (uint32_t s = 0; s < n->max_in_flight; s++) {
-        op_slot *slot = &ns->slots[s];
-        if (!slot->in_flight || path_dead(t->e, ns, nic_index, slot->op.dest)) continue;
-        if (ns->dead_paths < MAX_DEAD_PATHS) ns->dead_dests[ns->dead_paths++] = slot->op.dest;
-        else n->down = 1;
-        marked++;
-    }
     n->down_ns = fl_now_ns();
-    snprintf(n->down_why, sizeof n->down_why, "no completion for %.1f s with %u writes in flight: %d peer path(s) "
-             "marked down", t->cfg->link_timeout_s, n->in_flight, marked);
     for (uint32_t s = 0; s < n->max_in_flight; s++) {
         op_slot *slot = &ns->slots[s];
-        if (!slot->in_flight) continue;
+        if (!slot->in_flight || !path_dead(t->e, ns, nic_index, slot->op.dest)) continue;
         slot->in_flight = 0;
         slot->abandoned = 1;
         n->in_flight--;
@@ -1035,6 +1057,26 @@ static void service_paths_down(thread_ctx *t, int nic_index) {
         }
     }
     n->ring_tail = keep;
+}
+
+/* Service mode: a NIC with writes in flight and no completion for link_timeout_s no longer reaches the
+ * peers of those writes. */
+static void service_paths_down(thread_ctx *t, int nic_index) {
+    fl_nic *n = &t->e->nics[nic_index];
+    nic_state *ns = &t->st->nics[nic_index];
+    int before = ns->dead_paths;
+    for (uint32_t s = 0; s < n->max_in_flight; s++)
+        if (ns->slots[s].in_flight) mark_path_dead(t->e, ns, nic_index, ns->slots[s].op.dest);
+    snprintf(n->down_why, sizeof n->down_why, "no completion for %.1f s with %u writes in flight: %d peer path(s) "
+             "marked down", t->cfg->link_timeout_s, n->in_flight, ns->dead_paths - before);
+    reroute_dead_paths(t, nic_index);
+}
+
+/* Errors that say the way to the peer failed (connection reset, canceled, unreachable, ...), not that the
+ * write itself was wrong: those are failed over like a stalled link. */
+static int path_error(int err) {
+    return err != FI_EINVAL && err != FI_EACCES && err != FI_EPERM && err != FI_EMSGSIZE && err != FI_EFAULT &&
+           err != FI_ENOSYS && err != FI_EOPNOTSUPP && err != FI_EBADFLAGS;
 }
 
 /* Move what the submitter queued for this worker into its NICs' rings (at most `budget`). */

@@ -194,10 +194,6 @@ def test_peer_killed_mid_transfer_is_reported_in_time_and_the_survivor_closes_cl
     assert closed.startswith("closed cleanly"), closed
     assert exit_code == 0, survivor.stderr()
     assert "Traceback" not in survivor.stderr()
-    if lost.startswith("lost: TransferError ") and "ECANCELED" in lost:
-        pytest.xfail("a killed peer reported as a plain TransferError: over several links tcp;ofi_rxm fails some "
-                     "of the writes in flight with ECANCELED rather than ECONNRESET, a transfer keeps the first "
-                     f"error its writes report, and ECANCELED is not one of engine.py's peer-gone errors: {lost}")
     assert re.match(r"lost: (PeerLost|TransferTimeout) ", lost), lost
 
 
@@ -239,6 +235,32 @@ def test_random_pages_land_byte_exact_over_lossy_links(bed):
     assert int(figures.group(1)) == pages and int(figures.group(2)) == mib << 20
     assert landed == f"landed {pages} sha256={figures.group(5)}"
     assert all(s >= (mib << 20) // LINKS for s in sent), f"not striped over every link: {sent}"
+
+
+@pytest.mark.netns
+def test_a_link_down_mid_transfer_fails_over_and_lands_byte_exact(bed):
+    mib, imm, link = 128, 12, 2
+    pages = (mib << 20) // PAGE
+    peer, peer_hex = start_peer(bed, mib << 20)
+    try:
+        with peer, start_writer(bed, "random-pages", peer_hex, mib, imm, 1.0) as writer:
+            base = client_tx_bytes(bed)[link]
+            deadline = time.monotonic() + 60
+            while client_tx_bytes(bed)[link] - base < 4 << 20:  # the transfer is under way on that link
+                assert writer.proc.poll() is None and time.monotonic() < deadline, writer.stderr()
+                time.sleep(0.02)
+            bed.link_down(link)
+            wrote = writer.read_line(120, "transfer result")
+            down = writer.read_line(10, "the NIC that was failed over")
+            assert writer.wait(30) == 0, writer.stderr()
+            landed = peer.ask(f"expect {imm} {pages} 30", 40)
+    finally:
+        bed.link_up(link)
+    print(f"\nfigure: link {link} down mid-transfer of {mib} MiB: {wrote.split(' sha256')[0]}; {down}")
+    digest = re.search(r"sha256=([0-9a-f]{64})", wrote).group(1)
+    assert wrote.startswith(f"wrote {pages} pages, {mib << 20} bytes")
+    assert down.startswith(f"down {bed.links[link].ifname('client')}: ")  # the failed link, named
+    assert landed == f"landed {pages} sha256={digest}"  # every page, once per imm count, byte-exact
 
 
 def open_fds_of(pid: int) -> int:

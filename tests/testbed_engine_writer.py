@@ -9,8 +9,10 @@ ends of the links, comma-separated. Each role prints what the test asserts on:
     until-lost TIMEOUT       16 MiB transfers back to back, two in flight, until one fails: "flowing"
                              once the first has landed, then "lost: TYPE buffer_safe=B: MESSAGE" (any
                              TransferError) and "closed cleanly in S s"; exit 0 only then
-    random-pages MIB IMM     MIB MiB of random 64 KiB pages to a random permutation of the peer's pages:
-                             "wrote N pages, B bytes in S s = G Gbps sha256=D" (D: what the peer must hold)
+    random-pages MIB IMM [LINK_TIMEOUT]
+                             MIB MiB of random 64 KiB pages to a random permutation of the peer's pages:
+                             "wrote N pages, B bytes in S s = G Gbps sha256=D" (D: what the peer must hold),
+                             then "down DOMAIN: WHY; resent N" for each NIC that was failed over
     cycles COUNT WARMUP IMM  WARMUP, then COUNT times: open an engine, connect, write one page, close the
                              peer, region and engine; "cycles C in S s = R/s fds A -> B rss A -> B KiB
                              untrimmed A -> B KiB maxrss A -> B KiB", measured after the warm-up and after
@@ -62,21 +64,24 @@ def until_lost(address, descriptor, domains, timeout):
     print(f"closed cleanly in {time.monotonic() - started:.2f} s", flush=True)
 
 
-def random_pages(address, descriptor, domains, mib, imm):
+def random_pages(address, descriptor, domains, mib, imm, link_timeout=None):
     rng = np.random.default_rng(2)
     count = (mib << 20) // PAGE
     data = rng.integers(0, 256, size=count * PAGE, dtype=np.uint8)
     destination = rng.permutation(count)
     landed = np.empty_like(data)
     landed.reshape(count, PAGE)[destination] = data.reshape(count, PAGE)
-    with Engine(PROVIDER, domains=domains, pin=False, timeout=60) as engine:
+    with Engine(PROVIDER, domains=domains, pin=False, timeout=60, link_timeout=link_timeout) as engine:
         region = engine.register(data)
         peer = engine.connect(address)
         result = peer.write_pages(region, range(count), descriptor, destination, PAGE, imm=imm).result(
             60 + HANG_GRACE_S)
-    gbps = result.bytes * 8 / result.elapsed_s / 1e9
-    print(f"wrote {result.writes} pages, {result.bytes} bytes in {result.elapsed_s:.3f} s = {gbps:.3f} Gbps "
-          f"sha256={hashlib.sha256(landed).hexdigest()}", flush=True)
+        gbps = result.bytes * 8 / result.elapsed_s / 1e9
+        print(f"wrote {result.writes} pages, {result.bytes} bytes in {result.elapsed_s:.3f} s = {gbps:.3f} Gbps "
+              f"sha256={hashlib.sha256(landed).hexdigest()}", flush=True)
+        for nic in engine.stats()["per_nic"]:
+            if nic["down"]:
+                print(f"down {nic['domain']}: {nic['down']}; resent {nic['resent']}", flush=True)
 
 
 def open_fds():
@@ -127,7 +132,7 @@ def cycles(address, descriptor, domains, count, warmup, imm):
           f"maxrss {max_rss} -> {max_rss_kib()} KiB", flush=True)
 
 
-ROLES = {"until-lost": (until_lost, float), "random-pages": (random_pages, int, int),
+ROLES = {"until-lost": (until_lost, float), "random-pages": (random_pages, int, int, float),
          "cycles": (cycles, int, int, int)}
 
 if __name__ == "__main__":
