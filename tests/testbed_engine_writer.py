@@ -34,7 +34,7 @@ from fabriclab import Engine, TransferError, bootstrap
 PROVIDER = "tcp;ofi_rxm"
 PAGE = 65536
 HANG_GRACE_S = 10  # past the engine's own deadline, a future that is still not done is a hang
-M_ARENA_MAX = -8  # mallopt's parameter (glibc malloc.h)
+M_ARENA_MAX, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD = -8, -3, -1  # mallopt's parameters (glibc malloc.h)
 
 
 def until_lost(address, descriptor, domains, timeout):
@@ -101,8 +101,13 @@ def cycles(address, descriptor, domains, count, warmup, imm):
     # Each engine's tcp;ofi_rxm endpoints allocate and free some 300 MiB of pools, which glibc keeps: RSS is
     # read after malloc_trim hands freed heap back, and with a single arena, since malloc_trim leaves the
     # top of each worker thread's own arena (tens of MiB) resident.
+    # Left to itself glibc may also map and unmap those pools anew for every engine, or hand the top of the
+    # heap back, and every next engine faults them in again (a few times slower per cycle): pools come from
+    # the heap, and only malloc_trim below trims it.
     libc = ctypes.CDLL(None)
     libc.mallopt(M_ARENA_MAX, 1)
+    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
     def one_cycle():
         with Engine(PROVIDER, domains=domains, pin=False, timeout=10) as engine:
