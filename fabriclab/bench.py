@@ -448,6 +448,8 @@ def add_arguments(p) -> None:
     p.add_argument("--api", action="store_true",
                    help="the same workload through fabriclab.Engine.write_pages and the stage-15 path, with the "
                         "Python cost per write_pages call")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--api: alternating runs of each path, compared by their medians (default 3)")
     p.add_argument("--progression", action="store_true",
                    help="run chapters 7, 9-15 one after the other (each with its own techniques only)")
     p.add_argument("--page-size", type=cli.positive_size, default=64 << 10, help="bytes per write (default 64K)")
@@ -532,7 +534,9 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
 def main(args) -> int:
     config = config_from_args(args)
     if args.api:
-        r = api_comparison(config)
+        if args.rounds <= 0:
+            raise fi.UsageError(f"--rounds must be at least 1, got {args.rounds}")
+        r = api_comparison(config, rounds=args.rounds)
         print(f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {_size(r['page_size'])} pages: "
               f"stage-15 path {r['raw_gbps']:.2f} Gbps, Engine.write_pages {r['api_gbps']:.2f} Gbps "
               f"({r['ratio'] * 100:.1f} % of it); medians of {len(r['raw_runs'])} alternating runs "
