@@ -586,6 +586,30 @@ class Testbed:
         for s in sides:
             _run(["ip", "-n", self.namespace(s), "link", "set", link.ifname(s), state])
 
+    def bench_command(self, *options) -> list[str]:
+        """``python -m fabriclab bench`` over every link, one NIC per link: the writer runs in the client
+        namespace (this command), the target is started in the server namespace. ``options`` add the
+        stage, sizes and threads."""
+        return [*self.launcher("client"), sys.executable, "-m", "fabriclab", "bench", "--provider", self.provider,
+                "--domain", ",".join(link.client_if for link in self.links),
+                "--server-domain", ",".join(link.server_if for link in self.links),
+                "--server-launcher", " ".join(self.launcher("server")), "--nics", str(len(self.links)),
+                *map(str, options)]
+
+    def wait_for_traffic(self, index: int, nbytes: int, timeout: float = 60.0, running=None) -> None:
+        """Return once ``nbytes`` more have reached the server end of link ``index``: a transfer is under way
+        on it (the moment to inject a fault). A TestbedError when ``running`` (a Popen) ends first, or on
+        the timeout."""
+        start = self.counters(index)["server"]["rx"]["bytes"]
+        deadline = time.monotonic() + timeout
+        while self.counters(index)["server"]["rx"]["bytes"] - start < nbytes:
+            if running is not None and running.poll() is not None:
+                raise TestbedError(f"the transfer ended (exit {running.returncode}) before link {index} carried "
+                                   f"{nbytes} bytes")
+            if time.monotonic() > deadline:
+                raise TestbedError(f"link {index} did not carry {nbytes} bytes within {timeout:g} s")
+            time.sleep(0.02)
+
     def counters(self, index: int) -> dict:
         """Bytes and packets each end of one link has sent and received (``ip -s link``): which links a
         transfer actually used, and how much went over each."""

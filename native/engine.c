@@ -296,7 +296,7 @@ static void transfer_done(fl_engine *e, uint32_t transfer, int error) {
 }
 
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes) {
-    if (transfer < e->transfer_capacity && e->transfers && writes) transfer_finished_writes(e, transfer, (int64_t)writes);
+    if (transfer < e->transfer_capacity && e->transfers) transfer_finished_writes(e, transfer, (int64_t)writes);
 }
 
 /* 1 when the immediate data was one somebody may wait for. */

@@ -336,25 +336,12 @@ def test_link_down_fails_cleanly_and_link_up_restores(tb):
 
 
 def start_bench(tb, *options, total="128M"):
-    """The final stage's bench over every link of ``tb`` (writer in the client namespace, target in the
-    server's), started in the background; ``--json`` puts the result on the last line."""
-    return subprocess.Popen([*tb.launcher("client"), sys.executable, "-m", "fabriclab", "bench", "--stage", "batched",
-                             "--provider", tb.provider, "--domain", ",".join(l.client_if for l in tb.links),
-                             "--server-domain", ",".join(l.server_if for l in tb.links),
-                             "--server-launcher", " ".join(tb.launcher("server")), "--nics", str(len(tb.links)),
-                             "--threads", "1", "--page-size", "64K", "--total", total, "--json", *options],
+    """The final stage's bench over every link of ``tb``, started in the background; ``--json`` puts the
+    result on the last line."""
+    return subprocess.Popen(tb.bench_command("--stage", "batched", "--threads", "1", "--page-size", "64K",
+                                             "--total", total, "--json", *options),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-
-
-def wait_for_traffic(tb, link, proc, nbytes=4 << 20, within=60.0):
-    """Return once ``nbytes`` more have reached the server's end of ``link``: the run is under way."""
-    base = tb.counters(link)["server"]["rx"]["bytes"]
-    deadline = time.monotonic() + within
-    while tb.counters(link)["server"]["rx"]["bytes"] - base < nbytes:
-        assert proc.poll() is None, f"bench ended before the fault: {proc.communicate()}"
-        assert time.monotonic() < deadline, "the transfer never started"
-        time.sleep(0.02)
 
 
 def finish(proc, timeout):
@@ -371,7 +358,7 @@ def finish(proc, timeout):
 def test_link_down_mid_transfer_fails_over_to_the_other_links(tb):
     bench = start_bench(tb, "--link-timeout", "1", "--timeout", "20")
     try:
-        wait_for_traffic(tb, 2, bench)
+        tb.wait_for_traffic(2, 4 << 20, running=bench)
         tb.link_down(2)
         out, err = finish(bench, 120)
     finally:
@@ -394,7 +381,7 @@ def test_every_link_down_is_a_clear_error(tb):
     timeout = 8
     bench = start_bench(tb, "--link-timeout", "1", "--timeout", str(timeout))
     try:
-        wait_for_traffic(tb, 1, bench)
+        tb.wait_for_traffic(1, 4 << 20, running=bench)
         for link in range(LINKS):
             tb.link_down(link, side="client")
         start = time.monotonic()

@@ -244,11 +244,7 @@ def test_a_link_down_mid_transfer_fails_over_and_lands_byte_exact(bed):
     peer, peer_hex = start_peer(bed, mib << 20)
     try:
         with peer, start_writer(bed, "random-pages", peer_hex, mib, imm, 1.0) as writer:
-            base = client_tx_bytes(bed)[link]
-            deadline = time.monotonic() + 60
-            while client_tx_bytes(bed)[link] - base < 4 << 20:  # the transfer is under way on that link
-                assert writer.proc.poll() is None and time.monotonic() < deadline, writer.stderr()
-                time.sleep(0.02)
+            bed.wait_for_traffic(link, 4 << 20, running=writer.proc)
             bed.link_down(link)
             wrote = writer.read_line(120, "transfer result")
             down = writer.read_line(10, "the NIC that was failed over")
