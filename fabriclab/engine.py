@@ -23,11 +23,17 @@ import asyncio
 import concurrent.futures
 import errno
 import itertools
+import logging
+import math
+import numbers
+import operator
 import os
+import queue
 import secrets
 import struct
 import threading
 import time
+import warnings
 import weakref
 import zlib
 from dataclasses import dataclass
@@ -37,7 +43,7 @@ import numpy as np
 from . import fi, multi_nic
 from ._fabric import ffi, lib
 
-__all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "TransferError", "PeerLost",
+__all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "TransferError", "PeerLost", "WriteRejected",
            "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange"]
 
 TRANSFER_SLOTS = 1 << 16
@@ -49,15 +55,32 @@ DEFAULT_STRIPE = 1 << 20
 
 
 class TransferError(RuntimeError):
-    """A transfer could not finish. ``buffer_safe``: no write of it can still read the local buffer."""
+    """A transfer could not finish. ``buffer_safe``: no write of it can still read the local buffer.
 
-    def __init__(self, message: str, buffer_safe: bool):
+    When it is False, ``wait_safe(timeout)`` waits for the moment it becomes true (the provider reported
+    every write the engine gave up on) and says whether it came."""
+
+    def __init__(self, message: str, buffer_safe: bool, safety: "_Safety | None" = None):
         super().__init__(f"{message} (local buffer {'is' if buffer_safe else 'is NOT yet'} safe to reuse)")
         self.buffer_safe = buffer_safe
+        self._safety = safety
+
+    def wait_safe(self, timeout: float | None = None) -> bool:
+        """True once no write of the transfer can read the local buffer; False if ``timeout`` seconds
+        (default 30) pass first or the engine was closed before the provider reported them."""
+        if self.buffer_safe or self._safety is None:
+            return self.buffer_safe
+        return self._safety.wait(timeout)
 
 
 class PeerLost(TransferError):
-    """The peer went away (process gone, connection refused or reset)."""
+    """No NIC reaches the peer any more: its process is gone (connection refused or reset), or every path
+    to it stopped completing writes (process stopped or gone, every link down, or a write it dropped)."""
+
+
+class WriteRejected(TransferError):
+    """The provider refused a write of the transfer (a key or range the peer does not accept, say): the
+    peer may be fine; later writes with valid descriptors go through."""
 
 
 class TransferTimeout(TransferError, TimeoutError):
@@ -86,6 +109,58 @@ _PEER_GONE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.EN
               errno.ESRCH, errno.ECONNABORTED, errno.EIO, errno.ENETUNREACH, errno.EHOSTDOWN, errno.ECANCELED}
 
 
+# ------------------------------------------------------------------------------------ input checks
+
+
+def _seconds(value, name: str, default: float | None = None, zero_means: str | None = None) -> float:
+    """A number of seconds: positive and finite (``None``: the default). With ``zero_means``, 0 is
+    allowed too and means that."""
+    if value is None and default is not None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise fi.UsageError(f"{name} must be a number of seconds, got {value!r}")
+    value = float(value)
+    if value == 0 and zero_means:
+        return 0.0
+    if not math.isfinite(value) or value <= 0:
+        allowed = f"positive and finite, or 0 ({zero_means})" if zero_means else "positive and finite"
+        raise fi.UsageError(f"{name} must be {allowed} seconds, got {value}")
+    return value
+
+
+def _integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An integer (numpy integers too; never a float or bool, which would be silently truncated)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise fi.UsageError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise fi.UsageError(f"{name} must be an integer, got {value!r}") from None
+    if minimum is not None and value < minimum or maximum is not None and value > maximum:
+        bounds = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise fi.UsageError(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+_INT64_MAX = 2 ** 63 - 1
+
+
+def _pages(values, side: str) -> np.ndarray:
+    """Page numbers as int64, refusing floats (never truncated) and numbers int64 cannot hold."""
+    array = np.asarray(values)
+    if array.dtype == object:  # Python integers beyond what numpy holds, or mixed objects
+        pages = [_integer(v, f"{side} page") for v in array.reshape(-1)]
+        too_big = next((v for v in pages if abs(v) > _INT64_MAX), None)
+        if too_big is not None:
+            raise OutOfRange(f"{side} page {too_big} is outside any region")
+        return np.asarray(pages, dtype=np.int64)
+    if array.size and array.dtype.kind not in "iu":
+        raise fi.UsageError(f"{side} pages must be integers, got {array.dtype} values such as {array.reshape(-1)[0]!r}")
+    if array.size and array.dtype.kind == "u" and array.max() > _INT64_MAX:
+        raise OutOfRange(f"{side} page {int(array.max())} is outside any region")
+    return array.astype(np.int64).reshape(-1)
+
+
 # ---------------------------------------------------------------------------------------- results
 
 
@@ -98,20 +173,100 @@ class TransferResult:
     buffer_safe: bool = True
 
 
+class _Safety:
+    """When the last write of a transfer stops reading the local buffer; or that nobody will know (the
+    engine closed first)."""
+
+    def __init__(self, default_timeout: float):
+        self._cond = threading.Condition()
+        self._state = None  # True: safe; False: the engine closed before the provider reported every write
+        self._default_timeout = default_timeout
+
+    def settle(self, safe: bool) -> None:
+        with self._cond:
+            if self._state is None:
+                self._state = safe
+                self._cond.notify_all()
+
+    @property
+    def safe(self) -> bool:
+        return self._state is True
+
+    def wait(self, timeout: float | None) -> bool:
+        timeout = _seconds(timeout, "timeout", self._default_timeout)
+        with self._cond:
+            self._cond.wait_for(lambda: self._state is not None, timeout)
+            return self._state is True
+
+
+class _Callbacks:
+    """Runs futures' done-callbacks on one thread of their own, so that a callback that blocks (on another
+    transfer's result, say) never stalls the engine that resolves futures. Warns once about a callback
+    that runs longer than SLOW_CALLBACK_S: the callbacks after it wait."""
+
+    SLOW_CALLBACK_S = 1.0
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue | None = None
+        self._pid = None
+        self._warned = False
+
+    def run(self, fn, future) -> None:
+        with self._lock:
+            if self._pid != os.getpid():  # first use, or the thread stayed behind in the parent of a fork
+                self._queue, self._pid = queue.SimpleQueue(), os.getpid()
+                threading.Thread(target=self._loop, args=(self._queue,), name="fabriclab-callbacks",
+                                 daemon=True).start()
+            self._queue.put((fn, future))
+
+    def _loop(self, calls: queue.SimpleQueue) -> None:
+        while True:
+            fn, future = calls.get()
+            started = time.monotonic()
+            try:
+                fn(future)
+            except Exception:  # as concurrent.futures does: a failing callback is logged, never fatal
+                logging.getLogger("fabriclab").exception("a transfer's done-callback raised")
+            took = time.monotonic() - started
+            if took > self.SLOW_CALLBACK_S and not self._warned:
+                self._warned = True
+                warnings.warn(f"a transfer's done-callback ran for {took:.1f} s; callbacks run one at a time on "
+                              "their own thread, so the others waited: hand long work to your own thread",
+                              RuntimeWarning, stacklevel=1)
+
+
+_CALLBACKS = _Callbacks()
+
+
 class _AwaitableFuture(concurrent.futures.Future):
-    """A ``concurrent.futures.Future`` that can also be awaited under asyncio."""
+    """A ``concurrent.futures.Future`` that can also be awaited under asyncio. Its done-callbacks run on
+    their own thread, never on the engine's."""
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(lambda future: _CALLBACKS.run(fn, future))
 
     def __await__(self):
         return asyncio.wrap_future(self).__await__()
 
 
 class Transfer(_AwaitableFuture):
-    """The future of a TransferResult: wait with result(), add callbacks, or await it under asyncio."""
+    """The future of a TransferResult: wait with result(), add callbacks, or await it under asyncio.
 
-    def __init__(self, writes: int, nbytes: int, deadline: float):
+    A transfer cannot be cancelled once submitted (its writes are in the NICs' queues): ``cancel()``
+    returns False. ``wait_safe(timeout)`` waits until no write of it can read the local buffer."""
+
+    def __init__(self, writes: int, nbytes: int, deadline: float, safety: _Safety):
         super().__init__()
         self.writes, self.bytes, self.deadline = writes, nbytes, deadline
         self.started = time.perf_counter()
+        self._safety = safety
+        self.set_running_or_notify_cancel()  # running: cancel() refuses instead of lying
+
+    def wait_safe(self, timeout: float | None = None) -> bool:
+        """True once no write of this transfer can still read the local buffer (False if ``timeout``
+        seconds, default 30, pass first, or the engine closed before the provider reported them)."""
+        return self._safety.wait(timeout)
 
 
 # ------------------------------------------------------------------------------------------ wiring
@@ -136,7 +291,8 @@ def _unseal(data, magic: bytes, what: str) -> bytes:
 
 
 def _buffer_view(obj):
-    """(kind, pointer, length, device, keepalive) of any buffer-protocol, CUDA-array or DLPack object."""
+    """(kind, pointer, length, device, keepalive, readonly) of any buffer-protocol, CUDA-array or DLPack
+    object."""
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         pointer = int(cai["data"][0])
@@ -148,7 +304,7 @@ def _buffer_view(obj):
         length = int(np.prod(shape)) * itemsize if shape else itemsize
         device = getattr(obj, "device", None)
         device = getattr(device, "index", None) or getattr(device, "id", None) or 0
-        return "cuda", pointer, length, int(device), obj
+        return "cuda", pointer, length, int(device), obj, bool(cai["data"][1])
     try:
         view = memoryview(obj)
     except TypeError:
@@ -158,14 +314,12 @@ def _buffer_view(obj):
         else:
             raise fi.UsageError(f"cannot register {type(obj).__name__}: it has no buffer protocol, "
                                 "__cuda_array_interface__ or __dlpack__") from None
-    if view.readonly:
-        raise fi.UsageError(f"cannot register a read-only {type(obj).__name__}: the peer writes into it")
     if not view.c_contiguous:
         raise fi.UsageError("register a contiguous buffer")
     array = np.frombuffer(view.cast("B"), dtype=np.uint8)
     if array.size == 0:
         raise fi.UsageError("cannot register an empty buffer")
-    return "host", array.ctypes.data, array.size, 0, (obj, array)
+    return "host", array.ctypes.data, array.size, 0, (obj, array), view.readonly
 
 
 class _HostView:
@@ -185,48 +339,78 @@ class _CudaView:
 # --------------------------------------------------------------------------------------- regions
 
 
+class _RegionState:
+    """What the engine's service keeps of a region while transfers use it: its registrations and how many
+    transfers may still read it. No reference back to the Engine, so a dropped Engine can be collected."""
+
+    def __init__(self, registrations):
+        self.registrations = registrations
+        self.in_use = 0  # transfers whose writes may still read the region
+        self.closed = False
+
+    def deregister(self) -> None:
+        for reg in multi_nic.unique_registrations(self.registrations):
+            reg.close()
+
+
 class Region:
-    """Memory registered with every NIC of an engine. ``descriptor()`` is what a peer needs to write here."""
+    """Memory registered with every NIC of an engine. ``descriptor()`` is what a peer needs to write here.
+
+    A read-only buffer (``bytes``, a read-only numpy array) is registered as a source only: it can be
+    written from, and has no descriptor, since peers cannot write into it."""
 
     _ids = itertools.count(1)
 
     def __init__(self, engine: "Engine", obj):
-        kind, pointer, length, device, keep = _buffer_view(obj)
+        kind, pointer, length, device, keep, readonly = _buffer_view(obj)
         view = _HostView(keep[1]) if kind == "host" else _CudaView(pointer, length, device, keep)
         self.engine, self.kind, self.address, self.length = engine, kind, pointer, length
+        self.readonly = readonly
         self.id = next(self._ids)
         self._keep = keep
-        self.registrations = engine._nics.register(view)
-        if any(r.staging is not None for r in self.registrations):
-            for r in multi_nic.unique_registrations(self.registrations):
-                r.close()
+        access = fi.lib.FI_WRITE | fi.lib.FI_SEND if readonly else None  # a source of writes and nothing more
+        registrations = engine._service.nics.register(view, access=access)
+        self._state = _RegionState(registrations)
+        if any(r.staging is not None for r in registrations):
+            self._state.deregister()
             raise fi.UsageError(f"provider {engine.provider} cannot register GPU memory here "
-                                f"({self.registrations[0].why}); the engine API needs FI_HMEM — use host memory")
-        self.descs = [int(ffi.cast("uintptr_t", r.mr.desc)) for r in self.registrations]
+                                f"({registrations[0].why}); the engine API needs FI_HMEM — use host memory")
+        self.descs = [int(ffi.cast("uintptr_t", r.mr.desc)) for r in registrations]
         self._descs = np.asarray(self.descs, dtype=np.uint64)
-        self.keys = [r.mr.key for r in self.registrations]
-        self.bases = [r.mr.remote_base for r in self.registrations]
-        self.in_use = 0
-        self.closed = False
+        self.keys = [r.mr.key for r in registrations]
+        self.bases = [r.mr.remote_base for r in registrations]
+
+    @property
+    def registrations(self):
+        return self._state.registrations
+
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
 
     def descriptor(self) -> bytes:
         """Bytes for the peer: engine id, region id, length, and (base, key) per NIC. Checksummed."""
         self._check_open()
+        if self.readonly:
+            raise fi.UsageError(f"region {self.id} is read-only: it can be a source of writes, but peers cannot "
+                                "write into it, so it has no descriptor; register a writable buffer")
         body = _REGION_MAGIC + struct.pack("<QIQH", self.engine.id, self.id, self.length, len(self.keys))
         body += b"".join(struct.pack("<QQ", b, k) for b, k in zip(self.bases, self.keys))
         return _seal(body)
 
     def _check_open(self) -> None:
-        if self.closed:
+        if self._state.closed:
             raise RegionClosed(f"region {self.id} is closed", buffer_safe=True)
 
     def close(self, timeout: float | None = None) -> None:
         """Deregister. Transfers still using the region are waited for (up to ``timeout``, default the
-        engine's), then failed with RegionClosed; the registration itself stays until the NIC is done."""
-        if self.closed:
+        engine's), then failed with RegionClosed; the registration itself stays until no write can touch
+        the memory. Closing after the engine closed does nothing (the engine took its registrations)."""
+        if self._state.closed:
             return
-        self.closed = True
-        self.engine._close_region(self, self.engine.timeout if timeout is None else timeout)
+        timeout = _seconds(timeout, "timeout", self.engine.timeout)
+        self._state.closed = True
+        self.engine._service.close_region(self._state, timeout)
 
     def __enter__(self):
         return self
@@ -236,7 +420,8 @@ class Region:
         return False
 
     def __repr__(self) -> str:
-        return f"<Region {self.id} {self.kind} {self.length} bytes{' closed' if self.closed else ''}>"
+        flags = (" read-only" if self.readonly else "") + (" closed" if self.closed else "")
+        return f"<Region {self.id} {self.kind} {self.length} bytes{flags}>"
 
 
 @dataclass(frozen=True)
@@ -263,33 +448,49 @@ class RemoteRegion:
 # ------------------------------------------------------------------------------------------- peers
 
 
+def _parse_address(address) -> tuple[int, list]:
+    """(engine id, per-NIC fi.Address) of an Engine.address; InvalidDescriptor for anything else."""
+    body = _unseal(address, _ADDRESS_MAGIC, "engine address")
+    if len(body) < 4 + 10:
+        raise InvalidDescriptor("engine address is truncated: it has no NIC count")
+    engine_id, n = struct.unpack_from("<QH", body, 4)
+    offset, addresses = 4 + 10, []
+    for i in range(n):
+        if offset + 2 > len(body):
+            raise InvalidDescriptor("engine address is truncated")
+        size = struct.unpack_from("<H", body, offset)[0]
+        raw = body[offset + 2:offset + 2 + size]
+        if size == 0 or len(raw) != size:
+            raise InvalidDescriptor(f"engine address is malformed: NIC entry {i} is {'empty' if size == 0 else 'cut short'}")
+        try:
+            addresses.append(fi.Address.from_bytes(raw))
+        except fi.UsageError as exc:
+            raise InvalidDescriptor(f"engine address is malformed: NIC entry {i}: {exc}") from None
+        offset += 2 + size
+    if offset != len(body) or not addresses:
+        raise InvalidDescriptor("engine address is truncated or malformed")
+    return engine_id, addresses
+
+
 class Peer:
     """Another engine, reached through every one of our NICs. Writes are striped across them."""
 
     def __init__(self, engine: "Engine", address):
-        body = _unseal(address, _ADDRESS_MAGIC, "engine address")
-        engine_id, n = struct.unpack_from("<QH", body, 4)
-        offset, addresses = 4 + 10, []
-        for _ in range(n):
-            if offset + 2 > len(body):
-                raise InvalidDescriptor("engine address is truncated")
-            size = struct.unpack_from("<H", body, offset)[0]
-            addresses.append(fi.Address.from_bytes(body[offset + 2:offset + 2 + size]))
-            offset += 2 + size
-        if offset != len(body) or not addresses:
-            raise InvalidDescriptor("engine address is truncated or malformed")
-        self.engine, self.id, self.nics = engine, engine_id, len(addresses)
+        engine_id, addresses = _parse_address(address)
+        service = engine._service
+        n = len(addresses)
+        self.engine, self.id, self.nics = engine, engine_id, n
         # our NIC i talks to the peer's NIC i (modulo its count): the peer's key for it is keys[i % n]
-        self.remote_slot = [i % n for i in range(len(engine._nics.slots))]
+        self.remote_slot = [i % n for i in range(len(service.nics.slots))]
         self.fi_addrs = []
-        for slot in engine._nics.slots:
+        for slot in service.nics.slots:
             address = addresses[self.remote_slot[slot.index]]
-            known = engine._av_entries.get((slot.index, address.raw))
+            known = service.av_entries.get((slot.index, address.raw))
             try:
                 self.fi_addrs.append(known if known is not None else slot.av.insert(address))
             except fi.UsageError as exc:
                 raise InvalidDescriptor(f"engine address does not fit this engine: {exc}") from None
-            engine._av_entries[(slot.index, address.raw)] = self.fi_addrs[-1]
+            service.av_entries[(slot.index, address.raw)] = self.fi_addrs[-1]
         self.closed = False
         self._next_nic = 0
         self._parsed: dict[bytes, RemoteRegion] = {}
@@ -337,29 +538,27 @@ class Peer:
         the NICs. With ``imm``, every piece carries it (``Transfer.writes`` pieces: the peer expects that
         many)."""
         remote = self._remote(remote_descriptor)
-        length = local_region.length - src_offset if length is None else length
+        src_offset, dst_offset = _integer(src_offset, "src_offset"), _integer(dst_offset, "dst_offset")
+        length = local_region.length - src_offset if length is None else _integer(length, "length")
+        stripe_bytes = _integer(stripe_bytes, "stripe_bytes", 1)
         if length <= 0 or src_offset < 0 or dst_offset < 0 or src_offset + length > local_region.length:
             raise OutOfRange(f"local bytes [{src_offset}, {src_offset + length}) are outside the "
                              f"{local_region.length}-byte region")
         if dst_offset + length > remote.length:
             raise OutOfRange(f"remote bytes [{dst_offset}, {dst_offset + length}) are outside the peer's "
                              f"{remote.length}-byte region")
-        if stripe_bytes <= 0:
-            raise fi.UsageError("stripe_bytes must be positive")
         starts = np.arange(0, length, stripe_bytes, dtype=np.int64)
         lengths = np.minimum(stripe_bytes, length - starts).astype(np.uint64)
-        return self.engine._submit(self, local_region, remote, src_offset + starts, dst_offset + starts, 1,
-                                   lengths, imm, timeout)
+        return self.engine._service.submit(self, local_region, remote, src_offset + starts, dst_offset + starts, 1,
+                                           lengths, imm, timeout)
 
     def write_pages(self, local_region: Region, src_pages, remote_descriptor, dst_pages, page_size: int,
                     imm: int | None = None, timeout: float | None = None) -> Transfer:
         """Write page ``src_pages[i]`` of the local region to page ``dst_pages[i]`` of the peer's, one
         write per page, striped over the NICs, batched and posted lazily by the engine's threads."""
         remote = self._remote(remote_descriptor)
-        src = np.asarray(src_pages, dtype=np.int64).reshape(-1)
-        dst = np.asarray(dst_pages, dtype=np.int64).reshape(-1)
-        if page_size <= 0:
-            raise fi.UsageError(f"page_size must be positive, got {page_size}")
+        page_size = _integer(page_size, "page_size", 1)
+        src, dst = _pages(src_pages, "local"), _pages(dst_pages, "remote")
         if src.size != dst.size or src.size == 0:
             raise fi.UsageError(f"{src.size} source pages but {dst.size} destination pages")
         for pages, region_length, side in ((src, local_region.length, "local"), (dst, remote.length, "remote")):
@@ -368,7 +567,7 @@ class Peer:
                 bad = pages[(pages < 0) | (pages >= last)][0]
                 raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
                                  f"{side} region")
-        return self.engine._submit(self, local_region, remote, src, dst, page_size, page_size, imm, timeout)
+        return self.engine._service.submit(self, local_region, remote, src, dst, page_size, page_size, imm, timeout)
 
     def close(self) -> None:
         """No more writes through this Peer; the peer (or its restarted self) may connect again later.
@@ -408,46 +607,149 @@ class Engine:
 
     Pinned workers poll their NICs without rest, so keep your own busy threads off their cores:
     ``os.sched_setaffinity(0, engine.housekeeping_cores)`` (the engine's own reaper thread runs there).
+    Done-callbacks of transfers run on a thread of their own, one at a time. An engine dropped without
+    ``close()`` closes itself once collected. After ``fork()`` an engine belongs to the parent: the child
+    makes its own.
     """
 
     def __init__(self, provider: str | None = None, *, nics: int | None = None, domains=None,
                  threads: int | None = None, pin: bool = True, batch: int = 16, fi_more: bool = False,
                  timeout: float = 30.0, in_flight: int | None = None, gpu: bool | None = None,
                  link_timeout: float | None = None):
-        if timeout <= 0:
-            raise fi.UsageError("timeout must be positive")
-        link_timeout = timeout / 3 if link_timeout is None else link_timeout
-        if link_timeout < 0:
-            raise fi.UsageError(f"link_timeout must be 0 (no failover) or positive, got {link_timeout}")
-        self.timeout = timeout
+        self.timeout = _seconds(timeout, "timeout")
+        link_timeout = _seconds(link_timeout, "link_timeout", self.timeout / 3, zero_means="no failover")
+        options = {
+            "nics": None if nics is None else _integer(nics, "nics", 1, lib.FL_MAX_NICS),
+            "threads": None if threads is None else _integer(threads, "threads", 1, lib.FL_MAX_THREADS),
+            "batch": _integer(batch, "batch", 1, 1 << 16),
+            "in_flight": None if in_flight is None else _integer(in_flight, "in_flight", 1)}
         self.id = secrets.randbits(63) | 1
-        self._lock = threading.Lock()
-        self._closed = False
+        self._service = _Service(provider, domains, pin, bool(fi_more), self.timeout, gpu, link_timeout, **options)
+        # the finalizer holds the service, never the engine: a dropped engine is collected, then closed
+        self._finalizer = weakref.finalize(self, self._service.close)
+
+    @property
+    def provider(self) -> str:
+        return self._service.provider
+
+    @property
+    def threads(self) -> int:
+        """How many worker threads drive the NICs."""
+        return self._service.threads
+
+    @property
+    def worker_cores(self) -> list[int]:
+        """The cores the worker threads are pinned to (empty with ``pin=False``)."""
+        return self._service.worker_cores
+
+    @property
+    def housekeeping_cores(self) -> frozenset:
+        """The cores the workers leave free: run your own busy threads there."""
+        return self._service.housekeeping_cores
+
+    @property
+    def address(self) -> bytes:
+        """This engine's address (every NIC's), for a peer's ``connect``. Checksummed bytes."""
+        self._service.check_open()
+        slots = self._service.nics.slots
+        body = _ADDRESS_MAGIC + struct.pack("<QH", self.id, len(slots))
+        for slot in slots:
+            raw = slot.ep.address().to_bytes()
+            body += struct.pack("<H", len(raw)) + raw
+        return _seal(body)
+
+    @property
+    def nics(self) -> int:
+        """How many NIC slots this engine drives (real ones plus emulated ones)."""
+        return len(self._service.nics.slots)
+
+    @property
+    def emulated_nics(self) -> int:
+        """How many of the NIC slots are emulated: extra endpoints sharing a real domain."""
+        return self._service.emulated
+
+    def register(self, buffer) -> Region:
+        """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch: through
+        ``__cuda_array_interface__``) or DLPack host tensor with every NIC. A read-only buffer can be
+        written from but not into."""
+        self._service.check_open()
+        return Region(self, buffer)
+
+    def connect(self, address) -> Peer:
+        """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world. Paths to
+        peers that had been marked down get another chance (a restarted peer may be behind them)."""
+        self._service.check_open()
+        peer = Peer(self, address)
+        self._service.revive_paths()
+        return peer
+
+    def expect(self, imm: int, count: int, timeout: float | None = None) -> concurrent.futures.Future:
+        """A future that completes when ``count`` writes carrying ``imm`` have landed here (counted, never
+        ordered; arrivals before the call count too, and are consumed by it)."""
+        self._service.check_open()
+        imm = _integer(imm, "imm", 0, lib.FL_NO_IMM - 1)
+        count = _integer(count, "count", 1, 2 ** 63 - 1)
+        return self._service.expect(imm, count, _seconds(timeout, "timeout", self.timeout))
+
+    def stats(self) -> dict:
+        """A snapshot: per-NIC counters (bytes, writes, completions, EAGAINs, CQ polls, errors, arrivals)
+        and what is in flight. After ``close()``, the last snapshot, with ``closed: True``."""
+        return self._service.stats()
+
+    def close(self) -> None:
+        """Stop the worker threads, fail what is still pending, and close every NIC. A transfer still in
+        flight fails with ``buffer_safe=False``: once the engine is gone nobody can tell when its writes
+        stop reading the buffer (a shared-memory peer may still copy from it)."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self) -> str:
+        state = "closed" if self._service.closed else f"{self.threads} thread(s)"
+        return f"<Engine {self.provider} {self.nics} NIC(s) ({self.emulated_nics} emulated), {state}>"
+
+
+class _Service:
+    """Everything an Engine runs: its NICs, the native engine with its worker threads, the reaper thread
+    that resolves futures, and the book-keeping they share. It holds no reference to the Engine, so a
+    dropped Engine is collected, and its finalizer closes this."""
+
+    def __init__(self, provider, domains, pin, fi_more, timeout, gpu, link_timeout, *, nics, threads, batch,
+                 in_flight):
+        self.pid = os.getpid()
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.closed = False
+        self._closed_by_reaper = False
+        self.final_stats: dict | None = None
         if gpu is None:
             from . import gpu as cuda
             gpu = cuda.cuda_status() == "ok"
         # With GPUs, ask for FI_HMEM so CUDA arrays can be registered (where the provider offers it).
-        self._nics = multi_nic.NicSet(provider, nics, domains, "cuda" if gpu else "host")
-        self.provider = self._nics.provider
+        self.nics = multi_nic.NicSet(provider, nics, domains, "cuda" if gpu else "host")
+        self.provider, self.emulated = self.nics.provider, self.nics.emulated
         try:
-            self._native = multi_nic.NativeEngine(self._nics)
-            e = self._native._ptr
-            self._transfers = np.zeros(2 * TRANSFER_SLOTS, dtype=np.int64)
+            self.native = multi_nic.NativeEngine(self.nics)
+            e = self.native._ptr
+            self.transfers = np.zeros(lib.FL_TRANSFER_FIELDS * TRANSFER_SLOTS, dtype=np.int64)
             self._imm_keys = np.zeros(IMM_SLOTS, dtype=np.uint64)
             self._imm_counts = np.zeros(IMM_SLOTS, dtype=np.uint64)
-            e.transfers = ffi.cast("int64_t *", self._transfers.ctypes.data)
+            e.transfers = ffi.cast("int64_t *", self.transfers.ctypes.data)
             e.transfer_capacity = TRANSFER_SLOTS
             e.imm_keys = ffi.cast("uint64_t *", self._imm_keys.ctypes.data)
             e.imm_counts = ffi.cast("uint64_t *", self._imm_counts.ctypes.data)
             e.imm_capacity = IMM_SLOTS
             if in_flight is not None:
-                if in_flight <= 0:
-                    raise fi.UsageError(f"in_flight must be at least 1, got {in_flight}")
-                for slot in self._nics.slots:
+                for slot in self.nics.slots:
                     e.nics[slot.index].max_in_flight = min(e.nics[slot.index].max_in_flight, in_flight)
             self.threads = threads or self._default_threads()
-            if not 1 <= self.threads <= len(self._nics.slots):
-                raise fi.UsageError(f"threads must be between 1 and the number of NICs ({len(self._nics.slots)}), "
+            if self.threads > len(self.nics.slots):
+                raise fi.UsageError(f"threads must be between 1 and the number of NICs ({len(self.nics.slots)}), "
                                     f"got {self.threads}")
             cfg = ffi.new("fl_config *")
             cfg.threads, cfg.groups, cfg.batch, cfg.lazy, cfg.fi_more = self.threads, self.threads, batch, 1, int(fi_more)
@@ -461,22 +763,20 @@ class Engine:
             if lib.fl_service_start(e, cfg) != 0:
                 raise fi.FabricError("fl_service_start", e.error_code, message=ffi.string(e.error).decode())
         except BaseException:
-            self._nics.close()
+            self.nics.close()
             raise
-        self._av_entries: dict[tuple, int] = {}  # (our NIC slot, peer's raw address) -> fi_addr
-        # A transfer id is free again only once the native engine has reported it finished (every write
-        # completed or failed), never earlier: the engine may still count writes against it.
-        self._free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
-        self._pending: dict[int, tuple[Transfer, Region, np.ndarray]] = {}
-        self._zombies: dict[int, tuple[Region, np.ndarray]] = {}  # failed, writes still in flight
-        self._expectations: list[tuple[int, int, concurrent.futures.Future, float]] = []
-        self._retired_regions: list[Region] = []
-        self._next_deadline = float("inf")  # the earliest deadline the reaper has to look at
+        self.av_entries: dict[tuple, int] = {}  # (our NIC slot, peer's raw address) -> fi_addr
+        # A transfer id is free again only once the native engine has reported every write of it finished
+        # and none it gave up on still posted: until then the engine may count writes against it.
+        self.free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
+        self.in_use: dict[int, tuple[Transfer, _RegionState, np.ndarray]] = {}
+        self.expectations: list[tuple[int, int, concurrent.futures.Future, float]] = []
+        self.retired_regions: list[_RegionState] = []
+        self.next_deadline = float("inf")  # the earliest deadline the reaper has to look at
         # The workers poll without rest; any other busy thread landing on their cores stalls a NIC.
         self.housekeeping_cores = frozenset(os.sched_getaffinity(0)) - frozenset(self.worker_cores)
-        self._reaper = threading.Thread(target=self._reap, name="fabriclab-engine-reaper", daemon=True)
-        self._reaper.start()
-        self._finalizer = weakref.finalize(self, Engine._close_at_exit, weakref.ref(self))
+        self.reaper = threading.Thread(target=self._reap, name="fabriclab-engine-reaper", daemon=True)
+        self.reaper.start()
 
     def _default_threads(self) -> int:
         from . import topology
@@ -484,126 +784,60 @@ class Engine:
             groups = [g for g in topology.Topology.discover(provider=self.provider).groups if g.nics]
         except Exception:  # topology is advice only
             groups = []
-        return max(1, min(len(groups) or 1, len(self._nics.slots), os.cpu_count() or 1))
+        return max(1, min(len(groups) or 1, len(self.nics.slots), os.cpu_count() or 1))
 
-    # -------------------------------------------------------------------------------- public API
+    # ------------------------------------------------------------------------------ for the Engine
 
-    @property
-    def address(self) -> bytes:
-        """This engine's address (every NIC's), for a peer's ``connect``. Checksummed bytes."""
-        body = _ADDRESS_MAGIC + struct.pack("<QH", self.id, len(self._nics.slots))
-        for slot in self._nics.slots:
-            raw = slot.ep.address().to_bytes()
-            body += struct.pack("<H", len(raw)) + raw
-        return _seal(body)
+    def check_open(self) -> None:
+        if self.pid != os.getpid():
+            raise fi.UsageError(f"this Engine was created in process {self.pid}, before fork(); its threads and "
+                                "NICs stayed with that process: create a new Engine in this one")
+        if self.closed:
+            raise fi.UsageError("the engine is closed")
 
-    @property
-    def nics(self) -> int:
-        """How many NIC slots this engine drives (real ones plus emulated ones)."""
-        return len(self._nics.slots)
+    def revive_paths(self) -> None:
+        self.native._ptr.revive_epoch += 1  # workers forget the paths they had marked dead
 
-    @property
-    def emulated_nics(self) -> int:
-        """How many of the NIC slots are emulated: extra endpoints sharing a real domain."""
-        return self._nics.emulated
-
-    def register(self, buffer) -> Region:
-        """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch: through
-        ``__cuda_array_interface__``) or DLPack host tensor with every NIC."""
-        self._check_open()
-        return Region(self, buffer)
-
-    def connect(self, address) -> Peer:
-        """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world."""
-        self._check_open()
-        peer = Peer(self, address)
-        self._native._ptr.revive_epoch += 1  # a restarted peer may be behind paths marked dead
-        return peer
-
-    def expect(self, imm: int, count: int, timeout: float | None = None) -> concurrent.futures.Future:
-        """A future that completes when ``count`` writes carrying ``imm`` have landed here (counted, never
-        ordered; arrivals before the call count too, and are consumed by it)."""
-        self._check_open()
-        if count <= 0:
-            raise fi.UsageError(f"count must be at least 1, got {count}")
+    def expect(self, imm: int, count: int, timeout: float) -> concurrent.futures.Future:
         future = _AwaitableFuture()
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        with self._lock:
-            self._expectations.append((int(imm), int(count), future, deadline))
-            self._next_deadline = min(self._next_deadline, deadline)
-        self._native._ptr.imm_watch = 1
-        lib.fl_service_wake(self._native._ptr)
+        deadline = time.monotonic() + timeout
+        with self.lock:
+            self.expectations.append((imm, count, future, deadline))
+            self.next_deadline = min(self.next_deadline, deadline)
+        self.native._ptr.imm_watch = 1
+        lib.fl_service_wake(self.native._ptr)
         return future
 
     def stats(self) -> dict:
-        """A snapshot: per-NIC counters (bytes, writes, completions, EAGAINs, CQ polls, errors, arrivals)
-        and what is in flight."""
-        with self._lock:
-            pending, zombies, expecting = len(self._pending), len(self._zombies), len(self._expectations)
-        return {"provider": self.provider, "nics": self.nics, "emulated_nics": self.emulated_nics,
-                "threads": self.threads, "transfers_in_flight": pending, "abandoned_in_flight": zombies,
-                "expectations": expecting, "per_nic": self._native.counters()}
+        if self.final_stats is not None:
+            return self.final_stats
+        self.check_open()
+        with self.lock:
+            pending = sum(not t.done() for t, _, _ in self.in_use.values())
+            unsafe = len(self.in_use) - pending
+            expecting = len(self.expectations)
+        return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
+                "threads": self.threads, "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
+                "expectations": expecting, "per_nic": self.native.counters(), "closed": False}
 
-    def close(self) -> None:
-        """Stop the worker threads, fail what is still pending, and close every NIC."""
-        if self._closed:
-            return
-        self._closed = True
-        lib.fl_service_wake(self._native._ptr)
-        self._reaper.join(5)
-        lib.fl_service_stop(self._native._ptr)
-        with self._lock:
-            for transfer, region, _ in self._pending.values():
-                if not transfer.done():
-                    transfer.set_exception(TransferError("the engine was closed", buffer_safe=True))
-                region.in_use -= 1
-            self._pending.clear()
-            for _, _, future, _ in self._expectations:
-                if not future.done():
-                    future.set_exception(TransferError("the engine was closed", buffer_safe=True))
-            self._expectations.clear()
-        self._native.close()
-        self._nics.close()
-        self._finalizer.detach()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    @staticmethod
-    def _close_at_exit(ref):
-        engine = ref()
-        if engine is not None:
-            engine.close()
-
-    # ------------------------------------------------------------------------------- internals
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise fi.UsageError("the engine is closed")
-
-    def _submit(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths, imm,
-                timeout) -> Transfer:
+    def submit(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths, imm,
+               timeout) -> Transfer:
         """Hand one request to the native engine (it builds the writes and stripes them over the NICs) and
         track its future. Write i moves lengths[i] (or ``lengths`` bytes) from src[i] * stride of the
         region to dst[i] * stride of the peer's."""
-        self._check_open()
+        self.check_open()
         region._check_open()
         if peer.closed:
             raise fi.UsageError("that peer was closed; connect again")
-        if region.engine is not self:
+        if region.engine._service is not self:
             raise fi.UsageError("that region was registered with another engine")
-        if imm is not None and not 0 <= int(imm) < lib.FL_NO_IMM:
-            raise fi.UsageError(f"imm must be below 2**32 - 1 (EFA carries 32 bits; the top value is reserved), "
-                                f"got {imm}")
+        imm = lib.FL_NO_IMM if imm is None else _integer(imm, "imm", 0, lib.FL_NO_IMM - 1)
+        timeout = _seconds(timeout, "timeout", self.timeout)
         n = src.size
         uniform = np.isscalar(lengths)
         nbytes = n * lengths if uniform else int(lengths.sum())
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        transfer = Transfer(n, nbytes, deadline)
+        deadline = time.monotonic() + timeout
+        transfer = Transfer(n, nbytes, deadline, _Safety(self.timeout))
         routes = peer._routes_to(region, remote)
         src, dst = np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64)
         src_c, dst_c = ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst)
@@ -613,136 +847,225 @@ class Engine:
             "dst": dst_c, "stride": stride, "lengths": lengths_c, "length": lengths if uniform else 0, "count": n,
             # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
             # worker threads see traffic arrive and keep polling: software providers need the target to poll.
-            "imm": lib.FL_NO_IMM if imm is None else int(imm), "first_nic": peer._next_nic})
+            "imm": imm, "first_nic": peer._next_nic})
         peer._next_nic = (peer._next_nic + n) % len(peer.fi_addrs)
-        with self._lock:
-            if not self._free_ids:
+        state = region._state
+        fields = lib.FL_TRANSFER_FIELDS
+        with self.lock:
+            if not self.free_ids:
                 raise TransferError("too many transfers in flight", buffer_safe=True)
-            tid = self._free_ids.pop()
-            self._transfers[2 * tid] = n
-            self._transfers[2 * tid + 1] = 0
-            self._pending[tid] = (transfer, region, routes)
-            region.in_use += 1
-            if deadline < self._next_deadline:
-                self._next_deadline = deadline
-                lib.fl_service_wake(self._native._ptr)
+            tid = self.free_ids.pop()
+            self.transfers[fields * tid:fields * (tid + 1)] = (n, 0, 0)
+            self.in_use[tid] = (transfer, state, routes)
+            state.in_use += 1
+            if deadline < self.next_deadline:
+                self.next_deadline = deadline
+                lib.fl_service_wake(self.native._ptr)
         request.transfer = tid
         taken = 0
         while taken < n:
-            taken += lib.fl_service_submit(self._native._ptr, request, taken)
+            taken += lib.fl_service_submit(self.native._ptr, request, taken)
             if taken < n:
-                if time.monotonic() > deadline or self._native._ptr.stop:
-                    with self._lock:
-                        self._pending.pop(tid, None)
-                        self._zombies[tid] = (region, routes)
-                        region.in_use -= 1
+                if time.monotonic() > deadline or self.native._ptr.stop:
+                    failure = TransferTimeout(f"the engine's queues stayed full; {n - taken} of {n} writes not queued",
+                                              buffer_safe=taken == 0, safety=transfer._safety)
+                    transfer.set_exception(failure)
                     # writes never handed over will never complete: the engine counts them as finished
-                    lib.fl_transfer_release(self._native._ptr, tid, n - taken)
-                    raise TransferTimeout(f"the engine's queues stayed full; {n - taken} of {n} writes not queued",
-                                          buffer_safe=taken == 0)
+                    lib.fl_transfer_release(self.native._ptr, tid, n - taken)
+                    raise failure
                 time.sleep(0.0002)
         return transfer
 
+    def close_region(self, state: _RegionState, timeout: float) -> None:
+        if self.pid != os.getpid():
+            return  # the registrations belong to the parent of a fork
+        deadline = time.monotonic() + timeout
+        while state.in_use > 0 and time.monotonic() < deadline and not self.closed:
+            time.sleep(0.001)
+        if self.closed:
+            return  # closing the engine deregistered everything
+        with self.lock:
+            self.retired_regions.append(state)
+            self.next_deadline = 0.0  # the reaper fails what is left with RegionClosed
+        lib.fl_service_wake(self.native._ptr)
+
+    def close(self) -> None:
+        """Stop everything (the Engine's finalizer: ``Engine.close()``, collection, or interpreter exit)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.pid != os.getpid():
+            return  # after fork(): the threads, NICs and shared memory are the parent's, not ours to close
+        if threading.current_thread() is self.reaper:  # collected on the reaper thread: it finishes the job
+            self._closed_by_reaper = True
+            return
+        lib.fl_service_wake(self.native._ptr)
+        self.reaper.join(5)
+        self._shut_down()
+
+    # ------------------------------------------------------------------------------------ internals
+
+    def _shut_down(self) -> None:
+        e = self.native._ptr
+        lib.fl_service_stop(e)
+        self.final_stats = {**self._snapshot_after_stop(), "closed": True}
+        fields = lib.FL_TRANSFER_FIELDS
+        with self.lock:
+            for tid, (transfer, state, _) in self.in_use.items():
+                left, _, abandoned = (int(x) for x in self.transfers[fields * tid:fields * (tid + 1)])
+                safe = left <= 0 and abandoned <= 0
+                if not transfer.done():
+                    transfer.set_exception(TransferError(f"the engine was closed with {left} of {transfer.writes} "
+                                                         "writes of the transfer unfinished", buffer_safe=safe,
+                                                         safety=transfer._safety))
+                transfer._safety.settle(safe)
+            self.in_use.clear()
+            for _, _, future, _ in self.expectations:
+                if not future.done():
+                    future.set_exception(TransferError("the engine was closed", buffer_safe=True))
+            self.expectations.clear()
+            self.retired_regions.clear()
+        self.native.close()
+        self.nics.close()
+
+    def _snapshot_after_stop(self) -> dict:
+        return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
+                "threads": self.threads, "transfers_in_flight": 0, "abandoned_in_flight": 0, "expectations": 0,
+                "per_nic": self.native.counters()}
+
     def _reap(self) -> None:
         """Resolve futures as the native engine reports transfers finished (it wakes this thread, which
-        waits without the GIL); enforce deadlines; count expected immediate data."""
+        waits without the GIL); enforce deadlines; count expected immediate data. Whatever goes wrong in
+        one item fails that item's future: the thread itself never dies while the engine is open."""
         finished = ffi.new("uint32_t[]", 1024)
-        e = self._native._ptr
+        e = self.native._ptr
         if self.worker_cores and self.housekeeping_cores:
             os.sched_setaffinity(0, self.housekeeping_cores)  # this thread only
-        while not self._closed:
-            with self._lock:
-                busy = self._pending or self._expectations or self._zombies
-                wait = min(max(self._next_deadline - time.monotonic(), 0.0), 0.05) if busy else 0.05
-            got = lib.fl_service_wait(e, finished, len(finished), wait)
-            for tid in finished[0:got]:
-                with self._lock:
-                    entry = self._pending.pop(tid, None)
-                    self._zombies.pop(tid, None)
-                if entry is not None:
-                    transfer, region, _ = entry
-                    self._finish(transfer, region, 0, int(self._transfers[2 * tid + 1]))
-                with self._lock:
-                    self._free_ids.append(tid)
-            now = time.monotonic()
-            with self._lock:
-                rescan = now >= self._next_deadline
-                expectations = list(self._expectations) if self._expectations else ()
-            if rescan:
-                self._expire(now)
-            for item in expectations:
-                imm, count, future, deadline = item
-                done = lib.fl_imm_take(e, imm, count)
-                if done or now > deadline or future.cancelled():
-                    with self._lock:
-                        if item in self._expectations:
-                            self._expectations.remove(item)
-                        if not self._expectations:
-                            e.imm_watch = 0
-                    if done:
-                        future.set_result(count)
-                    elif not future.cancelled():
-                        future.set_exception(TransferTimeout(f"{count} writes carrying imm {imm} did not all "
-                                                             "arrive in time", buffer_safe=True))
-            self._retire_regions()
+        while not self.closed:
+            try:
+                with self.lock:
+                    busy = self.in_use or self.expectations
+                    wait = min(max(self.next_deadline - time.monotonic(), 0.0), 0.05) if busy else 0.05
+                got = lib.fl_service_wait(e, finished, len(finished), wait)
+                for tid in finished[0:got]:
+                    self._guarded(self._settle, int(tid))
+                now = time.monotonic()
+                with self.lock:
+                    rescan = now >= self.next_deadline
+                    expectations = list(self.expectations)
+                if rescan:
+                    self._expire(now)
+                for item in expectations:
+                    self._guarded(self._check_expectation, item, now)
+                self._retire_regions()
+            except Exception:  # a bug of ours: keep serving the other transfers, and say so
+                logging.getLogger("fabriclab").exception("the engine's reaper hit an error; it goes on")
+                time.sleep(0.01)
+        if self._closed_by_reaper:
+            self._shut_down()
+
+    def _guarded(self, work, item, *args) -> None:
+        """Run one item's work; if it fails, fail that item's future with the reason."""
+        try:
+            work(item, *args)
+        except Exception as exc:
+            future = item[2] if isinstance(item, tuple) else self.in_use.get(item, (None,))[0]
+            logging.getLogger("fabriclab").exception("the engine failed to account for a transfer")
+            if future is not None and not future.done():
+                future.set_exception(TransferError(f"the engine failed to account for this transfer: {exc!r}",
+                                                   buffer_safe=False))
+
+    def _counters(self, tid: int) -> tuple[int, int, int]:
+        """(writes left, first error, abandoned writes still posted) of transfer id ``tid``."""
+        fields = lib.FL_TRANSFER_FIELDS
+        left, error, abandoned = self.transfers[fields * tid:fields * (tid + 1)]
+        return int(left), int(error), int(abandoned)
+
+    def _settle(self, tid: int) -> None:
+        """The engine reported transfer ``tid``: resolve its future once every write finished; free the id
+        once, in addition, no write it gave up on is still posted (then the buffer is safe)."""
+        with self.lock:
+            entry = self.in_use.get(tid)
+        if entry is None:
+            return  # reported twice; already settled
+        transfer, state, _ = entry
+        left, error, abandoned = self._counters(tid)
+        if left > 0:
+            return
+        if not transfer.done():
+            self._resolve(transfer, state, error, safe=abandoned == 0)
+        if abandoned == 0:
+            with self.lock:
+                self.in_use.pop(tid, None)
+                state.in_use -= 1
+                self.free_ids.append(tid)
+            transfer._safety.settle(True)
+
+    def _check_expectation(self, item, now: float) -> None:
+        imm, count, future, deadline = item
+        done = lib.fl_imm_take(self.native._ptr, imm, count)
+        if done or now > deadline or future.cancelled():
+            with self.lock:
+                if item in self.expectations:
+                    self.expectations.remove(item)
+                if not self.expectations:
+                    self.native._ptr.imm_watch = 0
+            if done:
+                future.set_result(count)
+            elif not future.cancelled():
+                future.set_exception(TransferTimeout(f"{count} writes carrying imm {imm} did not all arrive in time",
+                                                     buffer_safe=True))
 
     def _expire(self, now: float) -> None:
-        """Fail pending transfers whose deadline passed or whose region was closed; their ids wait (as
-        zombies) until the engine reports their last write finished."""
-        with self._lock:
-            pending = list(self._pending.items())
-            expectations = [x[3] for x in self._expectations]
+        """Fail pending transfers whose deadline passed or whose region was closed; their ids stay in use
+        until the engine reports every write finished and none still posted."""
+        with self.lock:
+            pending = [(tid, entry) for tid, entry in self.in_use.items() if not entry[0].done()]
+            expectations = [x[3] for x in self.expectations]
         earliest = float("inf")
-        for tid, (transfer, region, routes) in pending:
-            if now > transfer.deadline or region.closed:
-                with self._lock:
-                    if self._pending.pop(tid, None) is None:
-                        continue  # finished meanwhile
-                    self._zombies[tid] = (region, routes)
-                self._finish(transfer, region, int(self._transfers[2 * tid]), int(self._transfers[2 * tid + 1]),
-                             expired=True)
+        for tid, (transfer, state, _) in pending:
+            if now > transfer.deadline or state.closed:
+                left, error, abandoned = self._counters(tid)
+                self._resolve(transfer, state, error, safe=left <= 0 and abandoned <= 0, expired=True, left=left)
             else:
                 earliest = min(earliest, transfer.deadline)
-        with self._lock:
-            self._next_deadline = min([earliest, *expectations])
+        with self.lock:
+            self.next_deadline = min([earliest, *expectations])
 
-    def _finish(self, transfer, region, remaining, error, expired=False) -> None:
-        with self._lock:
-            region.in_use -= 1
-        safe = remaining <= 0
-        if transfer.cancelled():
-            pass
-        elif error:
+    def _resolve(self, transfer: Transfer, state: _RegionState, error: int, safe: bool, expired: bool = False,
+                 left: int = 0) -> None:
+        if transfer.done():
+            return
+        safety = transfer._safety
+        if error:
             code = -error
-            text = f"{errno.errorcode.get(code, code)}: {os.strerror(code) if code < 4096 else ''}".strip()
-            kind = PeerLost if code in _PEER_GONE else TransferError
-            what = ("no NIC reaches the peer any more (each path failed or stalled: peer gone or every link down)"
-                    if code == errno.EHOSTUNREACH else f"a write of the transfer failed ({text})")
-            transfer.set_exception(kind(what, buffer_safe=safe))
-        elif expired and region.closed:
-            transfer.set_exception(RegionClosed("the region was closed while the transfer used it", buffer_safe=safe))
+            text = f"{errno.errorcode.get(code, code)}: {os.strerror(code) if code < 4096 else ''}".strip(": ")
+            if code == errno.EHOSTUNREACH:
+                failure = PeerLost("no NIC reaches the peer any more: every path failed or stopped completing "
+                                   "writes (the peer process is gone or stopped, every link is down, or the peer "
+                                   "dropped a write it could not take — shm drops a write into a closed region and "
+                                   "stalls that path)", buffer_safe=safe, safety=safety)
+            elif code in _PEER_GONE:
+                failure = PeerLost(f"the peer is gone: a write of the transfer failed with {text}", buffer_safe=safe,
+                                   safety=safety)
+            else:
+                failure = WriteRejected(f"the provider refused a write of the transfer ({text}): check the "
+                                        "descriptor and the range; the peer itself may be fine", buffer_safe=safe,
+                                        safety=safety)
+            transfer.set_exception(failure)
+        elif expired and state.closed:
+            transfer.set_exception(RegionClosed("the region was closed while the transfer used it", buffer_safe=safe,
+                                                safety=safety))
         elif expired:
-            transfer.set_exception(TransferTimeout(f"{remaining} of {transfer.writes} writes had not completed "
-                                                   "by the deadline (peer gone or stalled?)", buffer_safe=safe))
+            transfer.set_exception(TransferTimeout(f"{left} of {transfer.writes} writes had not completed by the "
+                                                   "deadline (peer gone or stalled?)", buffer_safe=safe, safety=safety))
         else:
             transfer.set_result(TransferResult(transfer.bytes, transfer.writes, time.perf_counter() - transfer.started))
 
-    def _close_region(self, region: Region, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while region.in_use > 0 and time.monotonic() < deadline and not self._closed:
-            time.sleep(0.001)
-        with self._lock:
-            self._retired_regions.append(region)
-            self._next_deadline = 0.0  # the reaper fails what is left with RegionClosed
-        lib.fl_service_wake(self._native._ptr)
-
     def _retire_regions(self) -> None:
         """Deregister closed regions once no write can still touch them."""
-        with self._lock:
-            busy = {id(r) for r, _ in self._zombies.values()} | {id(r) for _, r, _ in self._pending.values()}
-            ready = [r for r in self._retired_regions if id(r) not in busy]
-            self._retired_regions = [r for r in self._retired_regions if id(r) in busy]
-        for region in ready:
-            for reg in multi_nic.unique_registrations(region.registrations):
-                reg.close()
-
+        with self.lock:
+            ready = [r for r in self.retired_regions if r.in_use <= 0]
+            self.retired_regions = [r for r in self.retired_regions if r.in_use > 0]
+        for state in ready:
+            state.deregister()

@@ -624,11 +624,12 @@ class MemoryRegion(Resource):
 
     def _register(self, domain, buffer, pointer, length, iface, device, access, endpoint, keepalive):
         if buffer is not None:
+            written = bool(access & (lib.FI_RECV | lib.FI_READ | lib.FI_REMOTE_WRITE))  # else only read from
             try:
-                self._view = ffi.from_buffer(buffer, require_writable=True)
-            except (TypeError, BufferError) as exc:
-                raise UsageError(f"cannot register {type(buffer).__name__}: needs a writable buffer "
-                                 f"(numpy array, bytearray, memoryview) ({exc})") from None
+                self._view = ffi.from_buffer(buffer, require_writable=written)
+            except (TypeError, BufferError, ValueError) as exc:
+                raise UsageError(f"cannot register {type(buffer).__name__} for writing into: needs a writable "
+                                 f"buffer (numpy array, bytearray, memoryview) ({exc})") from None
             self.address = int(ffi.cast("uintptr_t", self._view))
             self.length = len(self._view)
         else:

@@ -167,22 +167,24 @@ class Registration:
             self.staging.close()
 
 
-def register(stack: fi.EndpointStack, buffer, staging: HostBuffer | None = None) -> Registration:
+def register(stack: fi.EndpointStack, buffer, staging: HostBuffer | None = None,
+             access: int = fi.ACCESS_ALL) -> Registration:
     """Register a HostBuffer or CudaBuffer with the endpoint's domain (see module docstring). A staged
-    buffer registered on several domains passes the first registration's ``staging`` copy to the others."""
+    buffer registered on several domains passes the first registration's ``staging`` copy to the others.
+    ``access``: what the memory may be used for (a read-only source: FI_WRITE | FI_SEND)."""
     if buffer.kind == "host":
-        return Registration(buffer, stack.register(buffer.array), "host")
+        return Registration(buffer, stack.register(buffer.array, access=access), "host")
     why = f"provider {stack.info.provider} does not offer FI_HMEM"
     if stack.info.hmem:
         try:
             mr = stack.register(pointer=buffer.pointer, length=buffer.length, iface=fi.lib.FI_HMEM_CUDA,
-                                device=buffer.device, keepalive=buffer)
+                                device=buffer.device, keepalive=buffer, access=access)
             return Registration(buffer, mr, "cuda-direct")
         except fi.FabricError as exc:
             why = f"FI_HMEM registration failed: {exc}"
     owns = staging is None
     staging = staging or PinnedBuffer(buffer.length, buffer.device)
-    return Registration(buffer, stack.register(staging.array), "cuda-staged", staging, why, owns)
+    return Registration(buffer, stack.register(staging.array, access=access), "cuda-staged", staging, why, owns)
 
 
 def open_endpoint(provider: str | None, domain: str | None, memory: str) -> fi.EndpointStack:

@@ -32,6 +32,7 @@ typedef struct op_slot {
 #define MAX_DEAD_PATHS 32
 
 #define INBOX_CAPACITY 65536u
+#define DONE_CAPACITY(e) (2 * (uint64_t)(e)->transfer_capacity)
 
 /* Service mode: what fl_service_submit hands one worker thread. Producers take the lock; the worker
  * only reads head/tail atomically. */
@@ -76,8 +77,9 @@ typedef struct engine_state {
     struct thread_ctx *service_ctx;
     inbox inboxes[FL_MAX_THREADS];
     fl_config service_cfg;
-    /* finished transfers, for fl_service_wait: each id is in here at most once (it is reused only
-     * after Python took it out), so transfer_capacity entries always suffice */
+    /* finished transfers, for fl_service_wait: each id is in here at most twice (when its writes are all
+     * finished, and when the last of its abandoned writes is reported; it is reused only after Python
+     * took it out), so DONE_CAPACITY entries always suffice */
     pthread_mutex_t done_lock;
     pthread_cond_t done_cond;
     uint32_t *done_ids;
@@ -219,12 +221,28 @@ static inline void count_finished(thread_ctx *t) {
 }
 
 static void transfer_done(fl_engine *e, uint32_t transfer, int error);
+static void abandon(fl_engine *e, op_slot *slot);
+static void abandoned_done(fl_engine *e, op_slot *slot);
 static int path_error(int err);
 static int path_dead(const fl_engine *e, const nic_state *ns, int nic_index, fi_addr_t dest);
 static void mark_path_dead(fl_engine *e, nic_state *ns, int nic_index, fi_addr_t dest);
 static void service_reroute(thread_ctx *t, const fl_op *failed);
 static void reroute_dead_paths(thread_ctx *t, int nic_index);
 static int link_down(thread_ctx *t, int nic_index, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Completions of a peer's writes into our memory carry remote flags and no context of ours (shm hands back
+ * whatever the peer's command held, e.g. 0x1): they are told apart by their flags, never by the pointer.
+ * Anything else must be one of this NIC's op slots; a context outside them is not ours to touch. */
+static inline int remote_completion(uint64_t flags) {
+    return (flags & (FI_REMOTE_WRITE | FI_REMOTE_READ | FI_RECV)) != 0;
+}
+
+static inline op_slot *own_slot(const fl_nic *n, const nic_state *ns, void *context) {
+    uintptr_t at = (uintptr_t)context, first = (uintptr_t)ns->slots;
+    if (!ns->slots || at < first || (at - first) % sizeof(op_slot) || (at - first) / sizeof(op_slot) >= n->max_in_flight)
+        return NULL;
+    return context;
+}
 
 /* Returns 0 when the engine can go on (a service transfer failed), 1 when the NIC's link was declared
  * down (stop reading it), -1 when the engine must stop. */
@@ -237,11 +255,14 @@ static int cq_error(thread_ctx *t, int nic_index) {
         fail(t->e, -FI_EIO, "NIC %d: completion error that could not be read", nic_index);
         return -1;
     }
-    if (t->service && err.op_context) {
-        nic_state *ns = &t->st->nics[nic_index];
-        op_slot *slot = err.op_context;
+    nic_state *ns = &t->st->nics[nic_index];
+    op_slot *slot = remote_completion(err.flags) ? NULL : own_slot(n, ns, err.op_context);
+    if (t->service) {
+        /* a peer's write into us that failed is its writer's to report; a context that is no write of
+         * ours in flight (a stale or foreign one) is not ours to touch */
+        if (!slot || (!slot->in_flight && !slot->abandoned)) return 0;
         if (slot->abandoned) {
-            slot->abandoned = 0;
+            abandoned_done(t->e, slot);
         } else if (t->cfg->link_timeout_s > 0 && path_error(err.err)) {
             /* this NIC no longer reaches that peer: the write and the others bound there go elsewhere
              * (a gone peer ends as PeerLost once no NIC reaches it) */
@@ -272,31 +293,56 @@ static int cq_error(thread_ctx *t, int nic_index) {
 static void notify(fl_engine *e, uint32_t finished) {
     engine_state *st = e->state;
     pthread_mutex_lock(&st->done_lock);
-    if (finished != FL_NO_TRANSFER) st->done_ids[st->done_tail++ % e->transfer_capacity] = finished;
+    if (finished != FL_NO_TRANSFER) st->done_ids[st->done_tail++ % DONE_CAPACITY(e)] = finished;
     else st->woken = 1;
     pthread_cond_signal(&st->done_cond);
     pthread_mutex_unlock(&st->done_lock);
 }
 
+#define LEFT(e, id) (&(e)->transfers[FL_TRANSFER_FIELDS * (uint64_t)(id)])
+#define FIRST_ERROR(e, id) (&(e)->transfers[FL_TRANSFER_FIELDS * (uint64_t)(id) + 1])
+#define ABANDONED(e, id) (&(e)->transfers[FL_TRANSFER_FIELDS * (uint64_t)(id) + 2])
+
+static inline int is_transfer(const fl_engine *e, uint32_t transfer) {
+    return transfer != FL_NO_TRANSFER && e->transfers && transfer < e->transfer_capacity;
+}
+
 static void transfer_finished_writes(fl_engine *e, uint32_t transfer, int64_t writes) {
-    if (transfer == FL_NO_TRANSFER || !writes) return;
-    if (__atomic_sub_fetch(&e->transfers[2 * (uint64_t)transfer], writes, __ATOMIC_ACQ_REL) == 0)
+    if (!is_transfer(e, transfer) || !writes) return;
+    if (__atomic_sub_fetch(LEFT(e, transfer), writes, __ATOMIC_ACQ_REL) == 0) notify(e, transfer);
+}
+
+/* A posted write given up on (its copy went elsewhere, or its transfer failed) may still read the local
+ * buffer until the provider reports it: the transfer is not buffer-safe until then. */
+static void abandon(fl_engine *e, op_slot *slot) {
+    slot->in_flight = 0;
+    slot->abandoned = 1;
+    if (is_transfer(e, slot->op.transfer)) __atomic_add_fetch(ABANDONED(e, slot->op.transfer), 1, __ATOMIC_ACQ_REL);
+}
+
+/* The provider reported an abandoned write: it no longer reads the buffer. The transfer is told once its
+ * writes are all finished and none it gave up on is still posted. */
+static void abandoned_done(fl_engine *e, op_slot *slot) {
+    slot->abandoned = 0;
+    uint32_t transfer = slot->op.transfer;
+    if (is_transfer(e, transfer) && __atomic_sub_fetch(ABANDONED(e, transfer), 1, __ATOMIC_ACQ_REL) == 0 &&
+        __atomic_load_n(LEFT(e, transfer), __ATOMIC_ACQUIRE) == 0)
         notify(e, transfer);
 }
 
 /* One write of a service transfer has finished (error < 0: failed). */
 static void transfer_done(fl_engine *e, uint32_t transfer, int error) {
-    if (transfer == FL_NO_TRANSFER || !e->transfers || transfer >= e->transfer_capacity) return;
+    if (!is_transfer(e, transfer)) return;
     if (error) {
         int64_t none = 0;
-        __atomic_compare_exchange_n(&e->transfers[2 * (uint64_t)transfer + 1], &none, (int64_t)error, 0,
+        __atomic_compare_exchange_n(FIRST_ERROR(e, transfer), &none, (int64_t)error, 0,
                                     __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     }
     transfer_finished_writes(e, transfer, 1);
 }
 
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes) {
-    if (transfer < e->transfer_capacity && e->transfers) transfer_finished_writes(e, transfer, (int64_t)writes);
+    transfer_finished_writes(e, transfer, (int64_t)writes);
 }
 
 /* 1 when the immediate data was one somebody may wait for. */
@@ -358,18 +404,19 @@ static int poll_nic(thread_ctx *t, int nic_index) {
         }
         if (got < 0) { fail(t->e, (int)got, "NIC %d: fi_cq_read: %s", nic_index, fi_strerror((int)-got)); return -1; }
         for (ssize_t i = 0; i < got; i++) {
-            op_slot *slot = entries[i].op_context;
-            if (slot && slot->abandoned) { /* it was sent again elsewhere; that copy is the one counted */
-                slot->abandoned = 0;
-                slot->next_free = ns->free_head;
-                ns->free_head = (uint32_t)(slot - ns->slots);
-                continue;
-            }
-            if (!slot) { /* a peer's write into our memory */
+            if (remote_completion(entries[i].flags)) { /* a peer's write into our memory */
                 if (entries[i].flags & FI_REMOTE_CQ_DATA) {
                     n->arrivals++;
                     landed |= count_imm(t->e, entries[i].data);
                 }
+                continue;
+            }
+            op_slot *slot = own_slot(n, ns, entries[i].op_context);
+            if (!slot || (!slot->in_flight && !slot->abandoned)) continue; /* not a write of ours in flight */
+            if (slot->abandoned) { /* it was sent again elsewhere; that copy is the one counted */
+                abandoned_done(t->e, slot);
+                slot->next_free = ns->free_head;
+                ns->free_head = (uint32_t)(slot - ns->slots);
                 continue;
             }
             uint64_t len = slot->op.len;
@@ -1040,8 +1087,7 @@ static void reroute_dead_paths(thread_ctx *t, int nic_index) {
     for (uint32_t s = 0; s < n->max_in_flight; s++) {
         op_slot *slot = &ns->slots[s];
         if (!slot->in_flight || !path_dead(t->e, ns, nic_index, slot->op.dest)) continue;
-        slot->in_flight = 0;
-        slot->abandoned = 1;
+        abandon(t->e, slot);
         n->in_flight--;
         n->resent++;
         service_reroute(t, &slot->op);
@@ -1193,7 +1239,7 @@ int fl_service_start(fl_engine *e, const fl_config *cfg) {
     if (rc) return e->error_code = rc;
     st->service_cfg = *cfg;
     st->service_ctx = calloc(cfg->threads, sizeof(thread_ctx));
-    st->done_ids = calloc(e->transfer_capacity, sizeof(uint32_t));
+    st->done_ids = calloc(DONE_CAPACITY(e), sizeof(uint32_t));
     pthread_mutex_init(&st->done_lock, NULL);
     pthread_cond_init(&st->done_cond, NULL);
     st->done_head = st->done_tail = 0;
@@ -1270,7 +1316,7 @@ int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s) {
     while (st->done_head == st->done_tail && !st->woken)
         if (pthread_cond_timedwait(&st->done_cond, &st->done_lock, &until) == ETIMEDOUT) break;
     int got = 0;
-    while (got < max && st->done_head != st->done_tail) ids[got++] = st->done_ids[st->done_head++ % e->transfer_capacity];
+    while (got < max && st->done_head != st->done_tail) ids[got++] = st->done_ids[st->done_head++ % DONE_CAPACITY(e)];
     st->woken = 0;
     pthread_mutex_unlock(&st->done_lock);
     return got;

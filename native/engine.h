@@ -40,6 +40,7 @@ typedef struct fl_op {
 #define FL_OP_IMM 1u
 #define FL_NO_TRANSFER 0xffffffffu
 #define FL_NO_IMM 0xffffffffull /* sent when the caller gave none, so targets still see traffic */
+#define FL_TRANSFER_FIELDS 3
 
 /* One NIC slot: an endpoint and what it needs to write to (or count writes from) its peer slot.
  * Aligned to a cache line so that threads owning different NICs never share one. */
@@ -117,8 +118,9 @@ typedef struct fl_engine {
     int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
     int (*stage_set_context)(void *context);
     void *stage_context;
-    /* service mode (fabriclab.Engine): transfers[2*id] counts writes still to complete, transfers[2*id+1]
-     * holds the first error (negative) of transfer id; arrivals carrying immediate data are counted per
+    /* service mode (fabriclab.Engine): per transfer id, FL_TRANSFER_FIELDS counters: writes still to
+     * finish, the first error (negative), and writes given up on that the provider may still be reading
+     * (a transfer is buffer-safe only once both counts are 0); arrivals carrying immediate data are counted per
      * value in an open-addressing table (keys stored as imm + 1; 0 = empty). */
     volatile int64_t *transfers;
     uint32_t transfer_capacity;

@@ -199,9 +199,14 @@ def test_pages_out_of_range_are_refused_before_any_post(fabric, engine):
 def test_registration_accepts_buffers_and_refuses_the_rest(engine):
     for ok in (bytearray(100), np.zeros(10, np.float32), memoryview(bytearray(8))):
         engine.register(ok).close()
-    for bad, message in ((b"read only", "read-only"), (object(), "no buffer protocol"), (bytearray(), "empty")):
+    for bad, message in ((object(), "no buffer protocol"), (bytearray(), "empty")):
         with pytest.raises(fi.UsageError, match=message):
             engine.register(bad)
+    # read-only memory is a source of writes only: no descriptor lets a peer write into it
+    source = engine.register(b"read only")
+    assert source.readonly
+    with pytest.raises(fi.UsageError, match="read-only"):
+        source.descriptor()
 
 
 def test_lifecycles_do_not_leak():
