@@ -3,7 +3,7 @@
     python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex]
 prints its bootstrap port, swaps (address, descriptor) with the test over it, then answers commands
 read from stdin, one per line: "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (or "timeout"),
-"digest". DOMAIN may name several NICs, comma-separated. With --hex it prints the packed (address,
+"digest", "count BYTE" -> how many bytes of the buffer hold that value. DOMAIN may name several NICs, comma-separated. With --hex it prints the packed (address,
 descriptor) as one hex line instead of a port: a test outside the peer's network namespace cannot reach
 the peer's loopback, but it can always read the peer's stdout."""
 import hashlib
@@ -34,3 +34,5 @@ with Engine(provider, domains=None if domain == "-" else domain, pin=False, time
                 print("timeout", flush=True)
         elif words[0] == "digest":
             print(f"sha256={hashlib.sha256(buffer).hexdigest()}", flush=True)
+        elif words[0] == "count":
+            print(int(np.count_nonzero(buffer == int(words[1]))), flush=True)
