@@ -2,7 +2,8 @@
 
 Objects mirror libfabric's tree (Fabric → Domain → CompletionQueue, AddressVector, Endpoint, MemoryRegion)
 and are context managers; closing a parent closes its children first, newest first, so an endpoint is
-closed before the queues it is bound to. Closing twice is harmless.
+closed before the queues it is bound to. Closing twice is harmless. Signal handlers libfabric's providers
+install are given back to the application (``signals_given_back``).
 
 The binding honours what ``fi_getinfo`` returns instead of branching on provider names: memory
 registration modes (FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_PROV_KEY, FI_MR_ENDPOINT), the FI_CONTEXT/FI_CONTEXT2
@@ -15,9 +16,11 @@ import collections
 import errno as _errno
 import itertools
 import os
+import signal
 import socket
 import string
 import struct
+import threading
 import time
 import weakref
 import zlib
@@ -137,6 +140,49 @@ def check(rc: int, call: str) -> int:
     return rc
 
 
+# --------------------------------------------------------------------------------------------- signals
+
+# Every signal a handler can be installed for: whichever a provider takes, it is given back.
+_SIGNALS = sorted(int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
+_signals_c = ffi.new("int[]", _SIGNALS)
+_signals_lock = threading.Lock()
+_given_back: set[int] = set()
+
+
+def _keeping_signal_handlers(call: Callable[..., int], *args) -> int:
+    """Make a libfabric call that may install signal handlers, then put back every handler it replaced.
+
+    libfabric's shm provider, at the first fi_endpoint of a process (measured on 1.17 with
+    native/signals.c; other providers and versions may do it when they initialise, so fi_getinfo,
+    fi_fabric, fi_domain and fi_enable go through here too), installs handlers for SIGINT, SIGTERM, SIGSEGV
+    and SIGBUS that delete the process's /dev/shm regions and then chain to the previous handler. Under
+    Python SIGINT becomes KeyboardInterrupt and the process lives on without its region: the next peer
+    it writes to maps the vanished region and crashes in fi_cq_read. With the previous handlers back,
+    Ctrl-C is a KeyboardInterrupt that keeps the region, SIGTERM still terminates, and a process that dies
+    of a signal leaves its region to ``fabriclab clean`` (and the next engine start) to reclaim. The lock
+    keeps a concurrent call from snapshotting the provider's handlers as if they were the application's."""
+    with _signals_lock:
+        snapshot = lib.fl_signals_snapshot(_signals_c, len(_SIGNALS))
+        if snapshot == ffi.NULL:
+            raise MemoryError("fl_signals_snapshot")
+        try:
+            return call(*args)
+        finally:
+            restored = ffi.new("int[]", len(_SIGNALS))
+            n = lib.fl_signals_restore(snapshot, restored, len(_SIGNALS))
+            lib.fl_signals_free(snapshot)
+            if n < 0:
+                raise OSError(-n, f"sigaction could not give back the signal handlers libfabric replaced: "
+                                  f"{os.strerror(-n)}")
+            _given_back.update(restored[i] for i in range(n))
+
+
+def signals_given_back() -> frozenset[signal.Signals]:
+    """The signals whose handlers libfabric replaced in this process and fabriclab put back (on shm:
+    SIGINT, SIGTERM, SIGSEGV, SIGBUS once the first endpoint is open; empty before)."""
+    return frozenset(signal.Signals(s) for s in _given_back)
+
+
 # ----------------------------------------------------------------------------------------------- info
 
 
@@ -253,7 +299,7 @@ def _getinfo_raw(provider: str | None, caps: int, ep_type: int) -> list[Info]:
     hints = _hints(provider, caps, ep_type)
     out = ffi.new("struct fi_info **")
     try:
-        rc = lib.fi_getinfo(api_version(), ffi.NULL, ffi.NULL, 0, hints, out)
+        rc = _keeping_signal_handlers(lib.fi_getinfo, api_version(), ffi.NULL, ffi.NULL, 0, hints, out)
     finally:
         lib.fi_freeinfo(hints)
     if rc == -lib.FI_ENODATA:
@@ -414,7 +460,7 @@ class Fabric(Resource):
         super().__init__(None)
         self.info = info
         out = ffi.new("struct fid_fabric **")
-        check(lib.fi_fabric(info.ptr.fabric_attr, out, ffi.NULL), "fi_fabric")
+        check(_keeping_signal_handlers(lib.fi_fabric, info.ptr.fabric_attr, out, ffi.NULL), "fi_fabric")
         self._ptr = out[0]
         self._finalizer = weakref.finalize(self, Fabric._close_quietly, weakref.ref(self))
 
@@ -438,7 +484,8 @@ class Domain(Resource):
         super().__init__(fabric)
         self.info = info or fabric.info
         out = ffi.new("struct fid_domain **")
-        check(lib.fi_domain(fabric._ptr, self.info.ptr, out, ffi.NULL), f"fi_domain({self.info.domain})")
+        check(_keeping_signal_handlers(lib.fi_domain, fabric._ptr, self.info.ptr, out, ffi.NULL),
+              f"fi_domain({self.info.domain})")
         self._ptr = out[0]
         self._next_key = itertools.count(1)
 
@@ -732,15 +779,15 @@ class Endpoint(Resource):
         self.cq = cq
         self.av = av
         out = ffi.new("struct fid_ep **")
-        check(lib.fi_endpoint(domain._ptr, self.info.ptr, out, ffi.NULL), "fi_endpoint")
+        check(_keeping_signal_handlers(lib.fi_endpoint, domain._ptr, self.info.ptr, out, ffi.NULL), "fi_endpoint")
         self._ptr = out[0]
         check(lib.fi_ep_bind(self._ptr, cq._fid(), lib.FI_TRANSMIT | lib.FI_RECV), "fi_ep_bind(cq)")
         check(lib.fi_ep_bind(self._ptr, av._fid(), 0), "fi_ep_bind(av)")
-        rc = lib.fi_enable(self._ptr)
+        rc = _keeping_signal_handlers(lib.fi_enable, self._ptr)
         if rc == -_errno.EBUSY:
             # shm: a region left in /dev/shm by a killed process whose pid has come round again; the
             # failed enable removes it, so a second try succeeds
-            rc = lib.fi_enable(self._ptr)
+            rc = _keeping_signal_handlers(lib.fi_enable, self._ptr)
         check(rc, "fi_enable")
         self._msg = ffi.new("struct fi_msg_rma *")
         self._iov = ffi.new("struct iovec *")
