@@ -2,7 +2,10 @@
 
 Objects mirror libfabric's tree (Fabric → Domain → CompletionQueue, AddressVector, Endpoint, MemoryRegion)
 and are context managers; closing a parent closes its children first, newest first, so an endpoint is
-closed before the queues it is bound to. Closing twice is harmless.
+closed before the queues it is bound to. Closing twice is harmless. An object nothing refers to any more is
+closed when garbage-collected (a parent holds its children weakly, each child its parent). After fork(),
+the child's copies are ``inherited``: using one raises UsageError, closing one never closes the parent's.
+Signal handlers libfabric's providers install are given back to the application (``signals_given_back``).
 
 The binding honours what ``fi_getinfo`` returns instead of branching on provider names: memory
 registration modes (FI_MR_LOCAL, FI_MR_VIRT_ADDR, FI_MR_PROV_KEY, FI_MR_ENDPOINT), the FI_CONTEXT/FI_CONTEXT2
@@ -15,9 +18,11 @@ import collections
 import errno as _errno
 import itertools
 import os
+import signal
 import socket
 import string
 import struct
+import threading
 import time
 import weakref
 import zlib
@@ -137,6 +142,49 @@ def check(rc: int, call: str) -> int:
     return rc
 
 
+# --------------------------------------------------------------------------------------------- signals
+
+# Every signal a handler can be installed for: whichever a provider takes, it is given back.
+_SIGNALS = sorted(int(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
+_signals_c = ffi.new("int[]", _SIGNALS)
+_signals_lock = threading.Lock()
+_given_back: set[int] = set()
+
+
+def _keeping_signal_handlers(call: Callable[..., int], *args) -> int:
+    """Make a libfabric call that may install signal handlers, then put back every handler it replaced.
+
+    libfabric's shm provider, at the first fi_endpoint of a process (measured on 1.17 with
+    native/signals.c; other providers and versions may do it when they initialise, so fi_getinfo,
+    fi_fabric, fi_domain and fi_enable go through here too), installs handlers for SIGINT, SIGTERM, SIGSEGV
+    and SIGBUS that delete the process's /dev/shm regions and then chain to the previous handler. Under
+    Python SIGINT becomes KeyboardInterrupt and the process lives on without its region: the next peer
+    it writes to maps the vanished region and crashes in fi_cq_read. With the previous handlers back,
+    Ctrl-C is a KeyboardInterrupt that keeps the region, SIGTERM still terminates, and a process that dies
+    of a signal leaves its region to ``fabriclab clean`` (and the next engine start) to reclaim. The lock
+    keeps a concurrent call from snapshotting the provider's handlers as if they were the application's."""
+    with _signals_lock:
+        snapshot = lib.fl_signals_snapshot(_signals_c, len(_SIGNALS))
+        if snapshot == ffi.NULL:
+            raise MemoryError("fl_signals_snapshot")
+        try:
+            return call(*args)
+        finally:
+            restored = ffi.new("int[]", len(_SIGNALS))
+            n = lib.fl_signals_restore(snapshot, restored, len(_SIGNALS))
+            lib.fl_signals_free(snapshot)
+            if n < 0:
+                raise OSError(-n, f"sigaction could not give back the signal handlers libfabric replaced: "
+                                  f"{os.strerror(-n)}")
+            _given_back.update(restored[i] for i in range(n))
+
+
+def signals_given_back() -> frozenset[signal.Signals]:
+    """The signals whose handlers libfabric replaced in this process and fabriclab put back (on shm:
+    SIGINT, SIGTERM, SIGSEGV, SIGBUS once the first endpoint is open; empty before)."""
+    return frozenset(signal.Signals(s) for s in _given_back)
+
+
 # ----------------------------------------------------------------------------------------------- info
 
 
@@ -253,7 +301,7 @@ def _getinfo_raw(provider: str | None, caps: int, ep_type: int) -> list[Info]:
     hints = _hints(provider, caps, ep_type)
     out = ffi.new("struct fi_info **")
     try:
-        rc = lib.fi_getinfo(api_version(), ffi.NULL, ffi.NULL, 0, hints, out)
+        rc = _keeping_signal_handlers(lib.fi_getinfo, api_version(), ffi.NULL, ffi.NULL, 0, hints, out)
     finally:
         lib.fi_freeinfo(hints)
     if rc == -lib.FI_ENODATA:
@@ -343,48 +391,146 @@ def domains(provider: str | None = None, *, caps: int = DEFAULT_CAPS) -> list[In
 
 # ----------------------------------------------------------------------------------- resource tree
 
+# The process running now, refreshed in a child after fork(): a libfabric object belongs to the process
+# that opened it. Comparing with a variable, not calling os.getpid(), keeps a system call off every post.
+_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _pid, _signals_lock
+    _pid = os.getpid()
+    _signals_lock = threading.Lock()  # another thread of the parent may have held it at fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _Native:
+    """The libfabric side of one Resource: its fid, the process that opened it, its children's _Native.
+
+    Kept apart from the Resource so that a finalizer can close it without referring to the Resource (a
+    finalizer holding its object keeps it alive for ever; one holding a weak reference finds it already
+    dead at collection). A parent holds its children's _Native strongly and the children themselves
+    weakly, while each child holds its parent: a dropped child is closed when collected, and a parent
+    closes whatever is still open under it, newest first, even children being collected along with it.
+    """
+
+    __slots__ = ("kind", "fid", "pid", "closed", "children", "parent", "owner")
+
+    def __init__(self, kind: str, parent: "_Native | None", owner: "Resource"):
+        self.kind = kind
+        self.fid = None  # struct fid * once opened
+        self.pid = _pid
+        self.closed = False
+        self.children: list[_Native] = []
+        self.parent = parent
+        self.owner = weakref.ref(owner)
+        if parent is not None:
+            parent.children.append(self)
+
+    def close(self) -> "FabricError | None":
+        """Close what is open under this object (newest first), then the object; the first failure.
+
+        In a process other than the opener (a child after fork()) nothing is closed, only forgotten: the
+        libfabric object is the opener's, and closing an inherited shm endpoint deletes the opener's
+        /dev/shm region (its name is per process)."""
+        if self.closed:
+            return None
+        self.closed = True
+        first_error = None
+        for child in reversed(self.children[:]):  # each child unlinks itself from this list
+            error = child.close()
+            first_error = first_error or error
+        if self.fid is not None and self.pid == _pid:
+            rc = lib.fi_close(self.fid)
+            if rc < 0:
+                first_error = first_error or FabricError(f"fi_close({self.kind})", rc)
+        self.fid = None
+        if self.parent is not None and self in self.parent.children:
+            self.parent.children.remove(self)
+        return first_error
+
+    def collect(self) -> None:
+        """The finalizer: the Resource was garbage-collected (or the interpreter is exiting) unclosed."""
+        self.close()  # nobody is left to tell of a failure
+
+    def where(self) -> str:
+        """Why the object cannot be used here, or '' when it can."""
+        if self.closed:
+            return f"{self.kind} is closed"
+        if self.pid != _pid:
+            return (f"this {self.kind} was created in process {self.pid} before fork(); open a new one in the "
+                    f"child (process {_pid})")
+        return ""
+
 
 class Resource:
-    """A libfabric object: a context manager that closes its children (newest first) before itself."""
+    """A libfabric object: a context manager that closes its children (newest first) before itself.
 
-    _fid_call = "fi_close"
+    A Resource nothing refers to any more is closed when garbage-collected; a root (Fabric) still open at
+    interpreter exit is closed then, with everything under it. After fork(), the child's copies are
+    ``inherited``: any use raises UsageError, and ``close()`` (or collection) only drops the Python side,
+    never closing what belongs to the parent.
+    """
 
     def __init__(self, parent: "Resource | None"):
-        self._children: list[Resource] = []
-        self._closed = False
-        self._ptr = None
-        self.parent = parent
         if parent is not None:
-            if parent.closed:
-                raise UsageError(f"cannot create a {type(self).__name__} under a closed {type(parent).__name__}")
-            parent._children.append(self)
+            problem = parent._native.where()
+            if problem:
+                raise UsageError(f"cannot create a {type(self).__name__} here: {problem}")
+        self.parent = parent
+        self._handle = None  # the struct fid_* * libfabric returned
+        self._native = _Native(type(self).__name__, parent._native if parent is not None else None, self)
+        self._finalizer = weakref.finalize(self, self._native.collect)
+        # At exit only roots close, each its whole tree: a child closed on its own by weakref.finalize's
+        # newest-first exit order could go before an engine still writing from it (fabriclab.Engine
+        # closes at exit through a finalizer of its own, created after its fabrics).
+        self._finalizer.atexit = parent is None
+
+    def _opened(self, ptr) -> None:
+        """Record the libfabric object just opened (a struct fid_* *)."""
+        self._native.fid = ffi.addressof(ptr[0], "fid")
+        self._handle = ptr
+
+    @property
+    def _ptr(self):
+        """The libfabric object, for calls on it: UsageError once closed, or in a child after fork()."""
+        self._require_open()
+        return self._handle
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._native.closed
+
+    @property
+    def inherited(self) -> bool:
+        """True in a child process that got this object through fork(): it belongs to the parent (``pid``)."""
+        return self._native.pid != _pid
+
+    @property
+    def pid(self) -> int:
+        """The process that opened this object."""
+        return self._native.pid
 
     def _fid(self):
-        return ffi.addressof(self._ptr[0], "fid") if self._ptr is not None else ffi.NULL
+        self._require_open()
+        return self._native.fid
 
     def close(self) -> None:
-        if self._closed:
+        native = self._native
+        if native.closed:
             return
-        self._closed = True
         first_error = None
-        for child in reversed(self._children):
+        for child in reversed(self.children):  # live children also drop their Python side
             try:
                 child.close()
             except FabricError as exc:
                 first_error = first_error or exc
-        self._children.clear()
-        if self._ptr is not None:
-            rc = lib.fi_close(self._fid())
-            self._ptr = None
-            if rc < 0 and first_error is None:
-                first_error = FabricError(f"fi_close({type(self).__name__})", rc)
+        error = native.close()  # what is left under it (children no longer referred to), then itself
+        first_error = first_error or error
+        self._finalizer.detach()
+        self._handle = None
         self._release()
-        if self.parent is not None and self in self.parent._children:
-            self.parent._children.remove(self)
         if first_error is not None:
             raise first_error
 
@@ -392,8 +538,9 @@ class Resource:
         """Drop Python-side references once the libfabric object is gone."""
 
     def _require_open(self) -> None:
-        if self._closed:
-            raise UsageError(f"{type(self).__name__} is closed")
+        native = self._native
+        if native.closed or native.pid != _pid:
+            raise UsageError(native.where())
 
     def __enter__(self):
         return self
@@ -404,28 +551,19 @@ class Resource:
 
     @property
     def children(self) -> list["Resource"]:
-        return list(self._children)
+        """The open children still referred to from Python, oldest first."""
+        return [c for c in (n.owner() for n in self._native.children) if c is not None]
 
 
 class Fabric(Resource):
-    """fi_fabric for an Info; the root of a resource tree (closed at the latest when garbage-collected)."""
+    """fi_fabric for an Info; the root of a resource tree (closed when collected, or at interpreter exit)."""
 
     def __init__(self, info: Info):
         super().__init__(None)
         self.info = info
         out = ffi.new("struct fid_fabric **")
-        check(lib.fi_fabric(info.ptr.fabric_attr, out, ffi.NULL), "fi_fabric")
-        self._ptr = out[0]
-        self._finalizer = weakref.finalize(self, Fabric._close_quietly, weakref.ref(self))
-
-    @staticmethod
-    def _close_quietly(ref):
-        obj = ref()
-        if obj is not None:
-            try:
-                obj.close()
-            except FabricError:
-                pass
+        check(_keeping_signal_handlers(lib.fi_fabric, info.ptr.fabric_attr, out, ffi.NULL), "fi_fabric")
+        self._opened(out[0])
 
     def domain(self, info: Info | None = None) -> "Domain":
         return Domain(self, info or self.info)
@@ -438,8 +576,9 @@ class Domain(Resource):
         super().__init__(fabric)
         self.info = info or fabric.info
         out = ffi.new("struct fid_domain **")
-        check(lib.fi_domain(fabric._ptr, self.info.ptr, out, ffi.NULL), f"fi_domain({self.info.domain})")
-        self._ptr = out[0]
+        check(_keeping_signal_handlers(lib.fi_domain, fabric._ptr, self.info.ptr, out, ffi.NULL),
+              f"fi_domain({self.info.domain})")
+        self._opened(out[0])
         self._next_key = itertools.count(1)
 
     def completion_queue(self, size: int = 0) -> "CompletionQueue":
@@ -489,18 +628,20 @@ class CompletionQueue(Resource):
         attr.wait_obj = lib.FI_WAIT_NONE
         out = ffi.new("struct fid_cq **")
         check(lib.fi_cq_open(domain._ptr, attr, out, ffi.NULL), "fi_cq_open")
-        self._ptr = out[0]
+        self._opened(out[0])
         self._entries = ffi.new("struct fi_cq_data_entry[]", self.BATCH)
         self._err = ffi.new("struct fi_cq_err_entry *")
         self._errbuf = ffi.new("char[]", 256)
-        self._inflight: dict[int, tuple[Any, Any]] = {}
+        self._inflight: dict[int, tuple[Any, Any, Any]] = {}
         self._backlog: collections.deque[Completion] = collections.deque()
         self.polls = 0
 
-    def new_context(self, token: Any):
-        """A fresh operation context (big enough for FI_CONTEXT and FI_CONTEXT2) tied to ``token``."""
+    def new_context(self, token: Any, mr: "MemoryRegion | None" = None):
+        """A fresh operation context (big enough for FI_CONTEXT and FI_CONTEXT2) tied to ``token``; it holds
+        ``mr``, the operation's memory, until the completion is read: a region dropped by the caller while
+        the provider still uses it is not deregistered (closed when collected) before then."""
         ctx = ffi.new("struct fi_context2 *")
-        self._inflight[int(ffi.cast("uintptr_t", ctx))] = (ctx, token)
+        self._inflight[int(ffi.cast("uintptr_t", ctx))] = (ctx, token, mr)
         return ctx
 
     def forget_context(self, ctx) -> None:
@@ -582,7 +723,7 @@ class AddressVector(Resource):
         attr.type = domain.info.ptr.domain_attr.av_type
         out = ffi.new("struct fid_av **")
         check(lib.fi_av_open(domain._ptr, attr, out, ffi.NULL), "fi_av_open")
-        self._ptr = out[0]
+        self._opened(out[0])
         self.info = domain.info
 
     def insert(self, address: "Address | bytes") -> int:
@@ -656,7 +797,7 @@ class MemoryRegion(Resource):
             attr.device.cuda = device
         out = ffi.new("struct fid_mr **")
         check(lib.fi_mr_regattr(domain._ptr, attr, 0, out), f"fi_mr_regattr({self.length} bytes)")
-        self._ptr = out[0]
+        self._opened(out[0])
         if self.info.mr_mode & lib.FI_MR_ENDPOINT:
             if endpoint is None:
                 raise UsageError(f"provider {self.info.provider} binds memory to an endpoint (FI_MR_ENDPOINT): "
@@ -673,12 +814,15 @@ class MemoryRegion(Resource):
 
     def remote(self) -> "RemoteRegion":
         """What a peer needs to write here: base address (per FI_MR_VIRT_ADDR), length and key."""
+        self._require_open()  # a peer told of a closed or inherited registration would write elsewhere
         return RemoteRegion(self.remote_base, self.length, self.key)
 
     def pointer(self, offset: int = 0):
         return ffi.cast("void *", self.address + offset)
 
     def check_range(self, offset: int, length: int, what: str = "local buffer") -> None:
+        """Every post checks its buffer here: in range, and registered in this process and still open."""
+        self._require_open()
         if offset < 0 or length < 0 or offset + length > self.length:
             raise UsageError(f"{what}: bytes [{offset}, {offset + length}) fall outside the "
                              f"{self.length}-byte registered region")
@@ -733,15 +877,15 @@ class Endpoint(Resource):
         self.cq = cq
         self.av = av
         out = ffi.new("struct fid_ep **")
-        check(lib.fi_endpoint(domain._ptr, self.info.ptr, out, ffi.NULL), "fi_endpoint")
-        self._ptr = out[0]
+        check(_keeping_signal_handlers(lib.fi_endpoint, domain._ptr, self.info.ptr, out, ffi.NULL), "fi_endpoint")
+        self._opened(out[0])
         check(lib.fi_ep_bind(self._ptr, cq._fid(), lib.FI_TRANSMIT | lib.FI_RECV), "fi_ep_bind(cq)")
         check(lib.fi_ep_bind(self._ptr, av._fid(), 0), "fi_ep_bind(av)")
-        rc = lib.fi_enable(self._ptr)
+        rc = _keeping_signal_handlers(lib.fi_enable, self._ptr)
         if rc == -_errno.EBUSY:
             # shm: a region left in /dev/shm by a killed process whose pid has come round again; the
             # failed enable removes it, so a second try succeeds
-            rc = lib.fi_enable(self._ptr)
+            rc = _keeping_signal_handlers(lib.fi_enable, self._ptr)
         check(rc, "fi_enable")
         self._msg = ffi.new("struct fi_msg_rma *")
         self._iov = ffi.new("struct iovec *")
@@ -777,7 +921,7 @@ class Endpoint(Resource):
     def try_post_recv(self, mr: MemoryRegion, offset: int, length: int, token: Any,
                       source: int = None) -> bool:
         mr.check_range(offset, length)
-        ctx = self.cq.new_context(token)
+        ctx = self.cq.new_context(token, mr)
         rc = lib.fi_recv(self._ptr, mr.pointer(offset), length, mr.desc,
                          lib.FI_ADDR_UNSPEC if source is None else source, ctx)
         return self._posted(rc, ctx, "fi_recv")
@@ -787,7 +931,7 @@ class Endpoint(Resource):
         if length > self.info.max_msg_size:
             raise UsageError(f"message of {length} bytes exceeds provider {self.info.provider}'s maximum of "
                              f"{self.info.max_msg_size} bytes")
-        ctx = self.cq.new_context(token)
+        ctx = self.cq.new_context(token, mr)
         rc = lib.fi_send(self._ptr, mr.pointer(offset), length, mr.desc, dest, ctx)
         return self._posted(rc, ctx, "fi_send")
 
@@ -800,7 +944,7 @@ class Endpoint(Resource):
         if data is not None and not 0 <= data < (1 << (8 * self.info.cq_data_size)):
             raise UsageError(f"immediate data {data} does not fit the provider's {self.info.cq_data_size}-byte "
                              "completion data")
-        ctx = self.cq.new_context(token)
+        ctx = self.cq.new_context(token, mr)
         self._iov.iov_base = mr.pointer(offset)
         self._iov.iov_len = length
         self._desc[0] = mr.desc

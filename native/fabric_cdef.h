@@ -279,3 +279,10 @@ void fl_service_wake(fl_engine *e);
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 void fl_service_stop(fl_engine *e);
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
+
+/* ------------------------------------------------- signal dispositions around libfabric's init (signals.h) */
+typedef struct fl_signal_snapshot fl_signal_snapshot;
+fl_signal_snapshot *fl_signals_snapshot(const int *signals, int count);
+int fl_signals_changed(const fl_signal_snapshot *snap, int *changed, int max);
+int fl_signals_restore(const fl_signal_snapshot *snap, int *restored, int max);
+void fl_signals_free(fl_signal_snapshot *snap);
