@@ -32,7 +32,7 @@ import sys
 import numpy as np
 
 from fabriclab import Engine, TransferError, bootstrap, fi, gpu, lesson, memory
-from fabriclab.cli import positive_size
+from fabriclab.cli import positive_seconds, positive_size
 
 SUCCESS = "kv_cache_transfer: OK"
 
@@ -258,7 +258,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--imm", type=int, default=1000, help="immediate value of round 0 (round r: imm + r)")
     p.add_argument("--seed", type=int, default=17)
     p.add_argument("--memory", choices=("host", "cuda"), default="host")
-    p.add_argument("--timeout", type=float, default=30.0, help="deadline of every transfer and wait, seconds")
+    p.add_argument("--timeout", type=positive_seconds, default=30.0, help="deadline of every transfer and wait, seconds")
     args = p.parse_args(argv)
     if not 0 < args.request_blocks <= args.blocks:
         p.error("--request-blocks must be between 1 and --blocks")

@@ -27,7 +27,7 @@ import sys
 import numpy as np
 
 from fabriclab import Engine, TransferError, bootstrap, fi, lesson
-from fabriclab.cli import positive_size
+from fabriclab.cli import positive_seconds, positive_size
 
 SUCCESS = "weight_broadcast: OK"
 
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--late", type=int, default=1, help="peers started once the first pushes are in flight")
     p.add_argument("--imm", type=int, default=7)
     p.add_argument("--seed", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=30.0, help="deadline of every transfer and wait, seconds")
+    p.add_argument("--timeout", type=positive_seconds, default=30.0, help="deadline of every transfer and wait, seconds")
     args = p.parse_args(argv)
     if args.role == "peer":
         if args.port is None:

@@ -6,7 +6,7 @@ import importlib
 import json
 import sys
 
-from . import cli, fi, gpu
+from . import cli, fi, gpu, shmclean
 
 
 def provider_report(provider: str) -> dict:
@@ -65,11 +65,16 @@ def print_info(report: dict) -> None:
 
 
 def main_info(args) -> int:
+    # Looking at the machine is the moment to tidy what killed processes left in /dev/shm.
+    reclaimed = shmclean.reclaim_stale_shm_regions()
     report = info_report()
     if args.json:
+        report["reclaimed_shm_regions"] = [vars(r) for r in reclaimed]
         print(json.dumps(report))
     else:
         print_info(report)
+        if reclaimed:
+            print(shmclean.describe(reclaimed))
     return 0
 
 
@@ -87,6 +92,8 @@ COMMANDS = {
              "fabriclab.tour", "main", "add_arguments"),
     "testbed": ("two network namespaces joined by N shaped veth links, a small p5: up, down, status, link-down, "
                 "link-up", "fabriclab.testbed", "cli_main", "add_arguments"),
+    "clean": ("remove the shared-memory regions (/dev/shm) that killed processes left behind; --dry-run lists "
+              "them", "fabriclab.shmclean", "main", "add_arguments"),
     "topo": ("GPU <-> NIC <-> NUMA <-> CPU layout and the proposed NIC groups and cores (or a recorded one: "
              "--recorded p5.48xlarge)", "fabriclab.topology", "main", "add_arguments"),
     "apidoc": ("the API reference of fabriclab.Engine and fabriclab.bootstrap, rendered from the docstrings into "

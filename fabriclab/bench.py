@@ -471,7 +471,7 @@ def add_arguments(p) -> None:
     engine.add_argument("--batch", type=int, default=batched.DEFAULT_BATCH, help="writes per pass (default 16)")
     engine.add_argument("--no-lazy", dest="lazy", action="store_false", help="post on every enqueue")
     engine.add_argument("--fi-more", action="store_true", help="FI_MORE on all but the last write of a run")
-    engine.add_argument("--link-timeout", type=float, default=None,
+    engine.add_argument("--link-timeout", type=cli.seconds_or_off, default=None,
                         help="seconds without a completion before a NIC's link is declared down and its writes "
                              "re-sent over the group's other NICs (default: a third of --timeout; 0: never)")
     p.add_argument("--server-domain", default=None,

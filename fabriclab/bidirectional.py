@@ -138,8 +138,9 @@ class Client(Sender):
         self.mailbox = Mailbox(stack, in_flight, self.server.max_message - HEADER.size
                                if self.server.max_message else DEFAULT_MAX_MESSAGE, timeout)
         self.max_payload = self.mailbox.max_payload
-        self.mailbox.send(self.server_addr, HELLO, 0, 0, stack.ep.address().to_bytes())
-        welcome = self._next(lambda m: m.kind == WELCOME)
+        with self.server_must_answer():  # the first contact: a stale address shows here
+            self.mailbox.send(self.server_addr, HELLO, 0, 0, stack.ep.address().to_bytes())
+            welcome = self._next(lambda m: m.kind == WELCOME)
         self.client_id = welcome.client
         self._seq = itertools.count(1)
 

@@ -3,6 +3,7 @@ printed as one line (no traceback) with a non-zero exit status."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ def add_fabric_options(parser: argparse.ArgumentParser) -> None:
                         help="libfabric provider (default: $FABRICLAB_PROVIDER, else the best available)")
     parser.add_argument("--domain", default=None,
                         help="domain / NIC name, e.g. lo under tcp;ofi_rxm (default: $FABRICLAB_DOMAIN or the first)")
-    parser.add_argument("--timeout", type=float, default=fi.DEFAULT_TIMEOUT,
+    parser.add_argument("--timeout", type=positive_seconds, default=fi.DEFAULT_TIMEOUT,
                         help="seconds any single wait may take before it is an error (default %(default)s)")
 
 
@@ -30,6 +31,27 @@ def positive_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be larger than zero")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type for deadlines (--timeout): a finite number of seconds larger than zero. Zero or less
+    would fail every wait at once, nan would never compare, inf would turn a dead peer into a hang."""
+    return _seconds(text, "a finite number larger than zero, e.g. 30", lambda v: v > 0)
+
+
+def seconds_or_off(text: str) -> float:
+    """argparse type for --link-timeout: a finite number of seconds larger than zero, or 0 for off."""
+    return _seconds(text, "a finite number larger than zero (e.g. 5), or 0 to turn failover off", lambda v: v >= 0)
+
+
+def _seconds(text: str, must_be: str, accept) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds: give {must_be}") from None
+    if not math.isfinite(value) or not accept(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be {must_be}")
     return value
 
 

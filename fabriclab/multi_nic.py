@@ -534,7 +534,7 @@ def add_engine_options(parser) -> None:
     parser.add_argument("--nics", type=int, default=None, help="NIC slots (default: every domain; more = emulated)")
     parser.add_argument("--groups", type=int, default=1, help="GPU groups the NICs are split into (default 1)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="chapter 9: no warm-up writes")
-    parser.add_argument("--link-timeout", type=float, default=None,
+    parser.add_argument("--link-timeout", type=cli.seconds_or_off, default=None,
                         help="seconds without a completion before a NIC's link is declared down and its writes "
                              "re-sent over the others (default: a third of --timeout; 0: never)")
 

@@ -10,6 +10,7 @@ shows up there.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import time
@@ -69,6 +70,19 @@ class Receiver:
         return memoryview(self.buffer)[:arrived[0].length]
 
 
+class ServerSilent(fi.FabricTimeout):
+    """The server did not answer at its address within the deadline: most likely it is gone, and a server
+    started again listens at a new address."""
+
+    def __init__(self, server: fi.Address, timeout: float):
+        # Its own sentence rather than FabricTimeout's "<what> did not happen within": what the provider kept
+        # answering (-FI_EAGAIN over shm and tcp alike) says nothing to someone who gave a stale address.
+        fi.FabricError.__init__(self, "connect", fi.lib.FI_ETIMEDOUT, message=(
+            f"no answer from the server at {server.describe()} within {timeout:g} s: the server is probably gone; "
+            "restart it and connect to the new address it prints"))
+        self.timeout = timeout
+
+
 class Sender:
     """The sending side: one server, known by the address it printed."""
 
@@ -80,6 +94,17 @@ class Sender:
         self.server_addr = stack.av.insert(self.server)
         self._buffer = np.empty(0, dtype=np.uint8)
         self._mr: fi.MemoryRegion | None = None
+
+    @contextlib.contextmanager
+    def server_must_answer(self):
+        """Waits on the server inside this block that run out of time raise ServerSilent, which names the
+        likely cause (the server is gone) and the fix."""
+        try:
+            yield
+        except ServerSilent:
+            raise
+        except fi.FabricTimeout as exc:
+            raise ServerSilent(self.server, self.timeout) from exc
 
     def _staging(self, size: int) -> np.ndarray:
         """A registered send buffer of at least ``size`` bytes, grown (re-registered) when too small."""
@@ -107,10 +132,10 @@ class Sender:
         size = self.check_message(data.size)
         self._staging(size)[:] = data
         start = time.perf_counter()
-        self.stack.ep.post_send(self._mr, 0, size, self.server_addr, token="send", timeout=self.timeout)
         done: list[fi.Completion] = []
-        self.stack.cq.wait(lambda: bool(done), self.timeout, "the send's completion", done.append,
-                           hint="is the server still running?")
+        with self.server_must_answer():
+            self.stack.ep.post_send(self._mr, 0, size, self.server_addr, token="send", timeout=self.timeout)
+            self.stack.cq.wait(lambda: bool(done), self.timeout, "the send's completion", done.append)
         return time.perf_counter() - start
 
 

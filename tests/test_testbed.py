@@ -5,6 +5,7 @@ import ipaddress
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import subprocess
@@ -239,6 +240,28 @@ def test_cleanup_when_the_block_or_up_fails(netns_ok, monkeypatch):
     finally:
         bed.down()
     assert ours(OTHER) == []
+
+
+@pytest.mark.netns
+def test_down_returns_only_once_every_process_of_the_namespace_is_gone(netns_ok):
+    bed = Testbed(links=1, prefix=OTHER).up()
+    try:
+        inode = testbed._netns_inode(bed.server_ns)
+        # Ignores SIGTERM: only the SIGKILL after the grace ends it.
+        stubborn = subprocess.Popen([*bed.launcher("server"), "sh", "-c", "trap '' TERM; echo ready; "
+                                     "while :; do sleep 0.1; done"], stdout=subprocess.PIPE, text=True)
+        # Holds the namespace open without being in it yet, as `ip netns exec` does between opening and entering.
+        path = testbed.NETNS_DIR / bed.server_ns
+        holder = subprocess.Popen([sys.executable, "-c", f"import time; ns = open({str(path)!r}); "
+                                   "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+        assert stubborn.stdout.readline() == holder.stdout.readline() == "ready\n"
+    finally:
+        bed.down()
+    # Both have exited by the time down() returns: no waiting here.
+    assert stubborn.poll() == -signal.SIGKILL and holder.poll() == -signal.SIGTERM
+    assert testbed._pids_in_namespace(inode) == set()
+    stubborn.stdout.close()
+    holder.stdout.close()
 
 
 def tb_delay(bed):
