@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import fi, multi_nic
+from . import fi, multi_nic, shmclean
 from ._fabric import ffi, lib
 
 __all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "TransferError", "PeerLost", "WriteRejected",
@@ -730,6 +730,10 @@ class _Service:
         if gpu is None:
             from . import gpu as cuda
             gpu = cuda.cuda_status() == "ok"
+        # Regions that killed shm endpoints left behind hold memory until someone removes them.
+        reclaimed = shmclean.reclaim_stale_shm_regions()
+        if reclaimed:
+            logging.getLogger("fabriclab").info(shmclean.describe(reclaimed))
         # With GPUs, ask for FI_HMEM so CUDA arrays can be registered (where the provider offers it).
         self.nics = multi_nic.NicSet(provider, nics, domains, "cuda" if gpu else "host")
         self.provider, self.emulated = self.nics.provider, self.nics.emulated
