@@ -47,6 +47,7 @@ __all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "TransferEr
            "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange"]
 
 TRANSFER_SLOTS = 1 << 16
+MAX_RENEWALS = 64  # fresh endpoints per NIC slot: a peer that keeps stalling them cannot exhaust file descriptors
 IMM_SLOTS = 1 << 12
 DEFAULT_STRIPE = 1 << 20
 
@@ -74,8 +75,10 @@ class TransferError(RuntimeError):
 
 
 class PeerLost(TransferError):
-    """No NIC reaches the peer any more: its process is gone (connection refused or reset), or every path
-    to it stopped completing writes (process stopped or gone, every link down, or a write it dropped)."""
+    """No NIC reaches the peer any more: every path to it failed (connection refused, reset or dropped) or
+    stopped completing writes. The message says which. Not proof that the peer is gone: a write it could
+    not take (into a region it closed, with a stale descriptor) drops the connection on some providers
+    (tcp) and stalls the path on others (shm). ``Engine.connect`` to the peer again revives its paths."""
 
 
 class WriteRejected(TransferError):
@@ -649,7 +652,11 @@ class Engine:
 
     @property
     def address(self) -> bytes:
-        """This engine's address (every NIC's), for a peer's ``connect``. Checksummed bytes."""
+        """This engine's address (every NIC's), for a peer's ``connect``. Checksummed bytes.
+
+        It can change: ``connect`` gives a NIC slot whose endpoint got stuck (writes the provider never
+        reported) a fresh endpoint, and this then carries the fresh one's address. Older addresses keep
+        working for writes into this engine (the old endpoints stay open until the engine closes)."""
         self._service.check_open()
         slots = self._service.nics.slots
         body = _ADDRESS_MAGIC + struct.pack("<QH", self.id, len(slots))
@@ -677,7 +684,12 @@ class Engine:
 
     def connect(self, address) -> Peer:
         """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world. Paths to
-        peers that had been marked down get another chance (a restarted peer may be behind them)."""
+        peers that had been marked down get another chance (a restarted peer may be behind them), and
+        Peers made earlier use them again. A NIC slot whose endpoint has writes the engine gave up on
+        that the provider never reported (stuck behind them: shm never completes a write into a region
+        its peer closed, nor any write after it on that endpoint) gets a fresh endpoint on the same
+        domain, completion queue and address vector, at most MAX_RENEWALS times (not where the provider
+        binds registrations to endpoints, FI_MR_ENDPOINT: ``stats()`` says so)."""
         self._service.check_open()
         peer = Peer(self, address)
         self._service.revive_paths()
@@ -692,8 +704,11 @@ class Engine:
         return self._service.expect(imm, count, _seconds(timeout, "timeout", self.timeout))
 
     def stats(self) -> dict:
-        """A snapshot: per-NIC counters (bytes, writes, completions, EAGAINs, CQ polls, errors, arrivals)
-        and what is in flight. After ``close()``, the last snapshot, with ``closed: True``."""
+        """A snapshot: per-NIC counters (bytes, writes, completions, EAGAINs, CQ polls, errors, arrivals;
+        ``"unreported"``: writes given up on that the provider has not reported yet, ``"retried"``: writes
+        posted once more after failing right after a revival, ``"renewals"``: fresh endpoints; ``"down"``:
+        why paths were last marked down) and what is in flight. After ``close()``, the last snapshot,
+        with ``closed: True``."""
         return self._service.stats()
 
     def close(self) -> None:
@@ -723,6 +738,7 @@ class _Service:
                  in_flight):
         self.pid = os.getpid()
         self.timeout = timeout
+        self.link_timeout = link_timeout
         self.lock = threading.Lock()
         self.closed = False
         self._closed_by_reaper = False
@@ -770,6 +786,12 @@ class _Service:
             self.nics.close()
             raise
         self.av_entries: dict[tuple, int] = {}  # (our NIC slot, peer's raw address) -> fi_addr
+        # endpoint renewal (revive_paths): one revival at a time; endpoints replaced stay open until the
+        # engine closes (late completions, and peers writing to their addresses)
+        self.revive_lock = threading.Lock()
+        self.renewals = [0] * len(self.nics.slots)
+        self.renewal_notes: dict[int, str] = {}
+        self.replaced_endpoints: list[fi.Endpoint] = []
         # A transfer id is free again only once the native engine has reported every write of it finished
         # and none it gave up on still posted: until then the engine may count writes against it.
         self.free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
@@ -800,7 +822,65 @@ class _Service:
             raise fi.UsageError("the engine is closed")
 
     def revive_paths(self) -> None:
-        self.native._ptr.revive_epoch += 1  # workers forget the paths they had marked dead
+        """Every worker forgets the paths it had marked dead; first, NIC slots whose endpoint has writes the
+        engine gave up on that the provider never reported get a fresh endpoint, which each worker swaps in
+        itself (fl_service_revive: never under a thread that posts)."""
+        e = self.native._ptr
+        with self.revive_lock:
+            stuck: dict[int, list[tuple[multi_nic.NicSlot, int]]] = {}  # by worker
+            for slot in self.nics.slots:
+                n = e.nics[slot.index]
+                unreported = int(n.unreported_here)
+                if not unreported:
+                    self.renewal_notes.pop(slot.index, None)
+                elif n.next_ep == ffi.NULL:
+                    why = self._renewal_refused(slot)
+                    if why:
+                        self._note_stuck(slot, unreported, why)
+                    else:
+                        stuck.setdefault(slot.index % self.threads, []).append((slot, unreported))
+            for slots in stuck.values():
+                # The slot's worker keeps off its NICs meanwhile: a provider may progress an endpoint bound to
+                # a CQ as soon as it is bound (shm does, and crashes on one not enabled yet).
+                if not lib.fl_worker_park(e, slots[0][0].index, min(self.timeout, 5.0)):
+                    for slot, unreported in slots:
+                        self._note_stuck(slot, unreported, "its worker thread could not be paused to renew it")
+                    continue
+                try:
+                    for slot, unreported in slots:
+                        self._renew(slot, unreported)
+                finally:
+                    lib.fl_worker_unpark(e, slots[0][0].index)
+            lib.fl_service_revive(e)
+
+    def _renewal_refused(self, slot: multi_nic.NicSlot) -> str | None:
+        if slot.info.mr_mode & lib.FI_MR_ENDPOINT:
+            return ("the provider binds registrations to endpoints (FI_MR_ENDPOINT), so a fresh endpoint could not "
+                    "use the regions")
+        if self.renewals[slot.index] >= MAX_RENEWALS:
+            return f"this slot had {MAX_RENEWALS} fresh endpoints already (a peer that keeps stalling them?)"
+        return None
+
+    def _note_stuck(self, slot: multi_nic.NicSlot, unreported: int, why: str) -> None:
+        self.renewal_notes[slot.index] = (f"endpoint not renewed although {unreported} write(s) given up on were "
+                                          f"never reported on it: {why}")
+
+    def _renew(self, slot: multi_nic.NicSlot, unreported: int) -> None:
+        """Open a fresh endpoint for ``slot`` on its domain, bound to its CQ and AV (fi_addrs stay valid, and
+        the old endpoint's late completions still arrive), and hand it to the slot's worker, which swaps it in
+        at the revival. The worker must be parked."""
+        try:
+            endpoint = fi.Endpoint(self.nics.domains[slot.domain_name], slot.cq, slot.av)
+        except (fi.FabricError, fi.UsageError) as exc:
+            self._note_stuck(slot, unreported, f"a fresh endpoint could not be opened ({exc})")
+            return
+        if not lib.fl_nic_renew(self.native._ptr, slot.index, endpoint._ptr):
+            endpoint.close()  # one is already waiting for the worker
+            return
+        self.replaced_endpoints.append(slot.ep)
+        slot.ep = endpoint  # Engine.address now carries the fresh endpoint's
+        self.renewals[slot.index] += 1
+        self.renewal_notes.pop(slot.index, None)
 
     def expect(self, imm: int, count: int, timeout: float) -> concurrent.futures.Future:
         future = _AwaitableFuture()
@@ -820,9 +900,14 @@ class _Service:
             pending = sum(not t.done() for t, _, _ in self.in_use.values())
             unsafe = len(self.in_use) - pending
             expecting = len(self.expectations)
+        per_nic = self.native.counters()
+        for entry in per_nic:
+            note = self.renewal_notes.get(entry["nic"])
+            if note:
+                entry["down"] = f"{entry['down']}; {note}" if entry["down"] else note
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
                 "threads": self.threads, "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
-                "expectations": expecting, "per_nic": self.native.counters(), "closed": False}
+                "expectations": expecting, "per_nic": per_nic, "closed": False}
 
     def submit(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths, imm,
                timeout) -> Transfer:
@@ -1044,11 +1129,20 @@ class _Service:
         if error:
             code = -error
             text = f"{errno.errorcode.get(code, code)}: {os.strerror(code) if code < 4096 else ''}".strip(": ")
-            if code == errno.EHOSTUNREACH:
-                failure = PeerLost("no NIC reaches the peer any more: every path failed or stopped completing "
-                                   "writes (the peer process is gone or stopped, every link is down, or the peer "
-                                   "dropped a write it could not take — shm drops a write into a closed region and "
-                                   "stalls that path)", buffer_safe=safe, safety=safety)
+            if code == errno.ETIMEDOUT and self.link_timeout > 0:  # the engine's own: a path stalled
+                failure = PeerLost(f"no NIC reaches the peer any more: a write to it got no completion for "
+                                   f"{self.link_timeout:g} s and no error, and no other path was left. The peer "
+                                   "may well be alive: some providers (shm) never complete a write the peer cannot "
+                                   "take (into a region it closed, with a stale descriptor) and stall the path "
+                                   "behind it; else the peer is stopped or gone, or every link to it is down. "
+                                   "Engine.connect() to it again revives the paths (and renews stuck endpoints)",
+                                   buffer_safe=safe, safety=safety)
+            elif code == errno.EHOSTUNREACH:
+                failure = PeerLost("no NIC reaches the peer any more: every path to it failed with an error or "
+                                   "had been marked down (the peer process may be gone, a link down, or the peer "
+                                   "dropped the connection over a write it could not take — tcp drops it for a "
+                                   "write into a closed region). Engine.connect() to it again revives the paths",
+                                   buffer_safe=safe, safety=safety)
             elif code in _PEER_GONE:
                 failure = PeerLost(f"the peer is gone: a write of the transfer failed with {text}", buffer_safe=safe,
                                    safety=safety)

@@ -259,7 +259,8 @@ class NativeEngine:
                         "eagain": int(n.eagain), "cq_polls": int(n.cq_polls), "errors": int(n.errors),
                         "arrivals": int(n.arrivals), "more_flushes": int(n.more_flushes),
                         "down": ffi.string(n.down_why).decode(errors="replace"),
-                        "resent": int(n.resent)})
+                        "resent": int(n.resent), "unreported": int(n.unreported), "retried": int(n.retried),
+                        "renewals": int(n.renewals)})
         return out
 
     def close(self) -> None:

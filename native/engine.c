@@ -27,6 +27,7 @@ typedef struct op_slot {
     uint32_t next_free;
     int in_flight;
     int abandoned;          /* sent again elsewhere: a late completion only frees the slot */
+    uint32_t ep_gen;        /* the NIC's endpoint it was posted on (fl_nic.renewals at the time) */
 } op_slot;
 
 #define MAX_DEAD_PATHS 32
@@ -50,7 +51,16 @@ typedef struct nic_state {
     /* service mode: peers this NIC no longer reaches (a stalled link or a gone peer); beyond
      * MAX_DEAD_PATHS the whole NIC is taken as down */
     fi_addr_t dead_dests[MAX_DEAD_PATHS];
+    uint8_t dead_stalled[MAX_DEAD_PATHS]; /* marked for a stall (no completion), not for an error */
     int dead_paths;
+    /* the paths that were dead at the last revival and have not failed since (revived_all: the whole NIC
+     * was down): a path error there may be the provider still tearing down the old connection, so the
+     * write is posted once more, after RETRY_HOLD, before the path is declared dead again */
+    fi_addr_t revived_dests[MAX_DEAD_PATHS];
+    int revived_paths, revived_all;
+    fl_op *held;            /* writes waiting for that second try, posted from held_until_ns on */
+    uint32_t held_len, held_cap;
+    uint64_t held_until_ns;
     uint32_t free_head;
     int last_had_more;
     struct group *group; /* the group that drives this NIC during a write run */
@@ -80,6 +90,7 @@ typedef struct engine_state {
     /* finished transfers, for fl_service_wait: each id is in here at most twice (when its writes are all
      * finished, and when the last of its abandoned writes is reported; it is reused only after Python
      * took it out), so DONE_CAPACITY entries always suffice */
+    _Atomic int park_request[FL_MAX_THREADS], parked[FL_MAX_THREADS]; /* fl_worker_park */
     pthread_mutex_t done_lock;
     pthread_cond_t done_cond;
     uint32_t *done_ids;
@@ -171,7 +182,10 @@ void fl_engine_free(fl_engine *e) {
     engine_state *st = e->state;
     for (int i = 0; e->nics && i < e->nnics; i++) {
         free(e->nics[i].ring);
-        if (st && st->nics) free(st->nics[i].slots);
+        if (st && st->nics) {
+            free(st->nics[i].slots);
+            free(st->nics[i].held);
+        }
     }
     if (st) free(st->nics);
     free(st);
@@ -200,6 +214,10 @@ static int prepare_slots(fl_engine *e) {
         n->down_why[0] = 0;
         ns->last_ok_ns = 0;
         ns->dead_paths = 0;
+        ns->revived_paths = ns->revived_all = 0;
+        ns->held_len = 0;
+        n->unreported = n->unreported_here = n->retried = 0;
+        n->renewals = 0;
     }
     return 0;
 }
@@ -221,14 +239,23 @@ static inline void count_finished(thread_ctx *t) {
 }
 
 static void transfer_done(fl_engine *e, uint32_t transfer, int error);
-static void abandon(fl_engine *e, op_slot *slot);
-static void abandoned_done(fl_engine *e, op_slot *slot);
+static void abandon(fl_engine *e, fl_nic *n, op_slot *slot);
+static void abandoned_done(fl_engine *e, fl_nic *n, op_slot *slot);
+static int retry_after_revival(thread_ctx *t, int nic_index, const fl_op *op);
 static int path_error(int err);
 static int path_dead(const fl_engine *e, const nic_state *ns, int nic_index, fi_addr_t dest);
-static void mark_path_dead(fl_engine *e, nic_state *ns, int nic_index, fi_addr_t dest);
+static void mark_path_dead(fl_engine *e, nic_state *ns, int nic_index, fi_addr_t dest, int stalled);
 static void service_reroute(thread_ctx *t, const fl_op *failed);
-static void reroute_dead_paths(thread_ctx *t, int nic_index);
+static void reroute_dead_paths(thread_ctx *t, int nic_index, int stalled);
 static int link_down(thread_ctx *t, int nic_index, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* A write moved off a dead path carries why that path died, so that a transfer failing for want of any
+ * path can tell a stall (the peer may well be alive) from errors. */
+static inline fl_op moved_off(const fl_op *op, int why) {
+    fl_op out = *op;
+    if (why == 2) out.flags |= FL_OP_STALLED;
+    return out;
+}
 
 /* Completions of a peer's writes into our memory carry remote flags and no context of ours (shm hands back
  * whatever the peer's command held, e.g. 0x1): they are told apart by their flags, never by the pointer.
@@ -262,17 +289,22 @@ static int cq_error(thread_ctx *t, int nic_index) {
          * ours in flight (a stale or foreign one) is not ours to touch */
         if (!slot || (!slot->in_flight && !slot->abandoned)) return 0;
         if (slot->abandoned) {
-            abandoned_done(t->e, slot);
+            abandoned_done(t->e, n, slot);
+        } else if (t->cfg->link_timeout_s > 0 && path_error(err.err) && retry_after_revival(t, nic_index, &slot->op)) {
+            n->in_flight--; /* posted once more on this NIC, after RETRY_HOLD */
+            slot->in_flight = 0;
+            snprintf(n->down_why, sizeof n->down_why, "a write failed right after a revival (%s): posted once more",
+                     fi_strerror(err.err));
         } else if (t->cfg->link_timeout_s > 0 && path_error(err.err)) {
             /* this NIC no longer reaches that peer: the write and the others bound there go elsewhere
              * (a gone peer ends as PeerLost once no NIC reaches it) */
             n->in_flight--;
             slot->in_flight = 0;
             n->resent++;
-            mark_path_dead(t->e, ns, nic_index, slot->op.dest);
+            mark_path_dead(t->e, ns, nic_index, slot->op.dest, 0);
             snprintf(n->down_why, sizeof n->down_why, "a write failed: %s", fi_strerror(err.err));
             service_reroute(t, &slot->op);
-            reroute_dead_paths(t, nic_index);
+            reroute_dead_paths(t, nic_index, 0);
         } else {
             n->in_flight--;
             slot->in_flight = 0;
@@ -314,16 +346,20 @@ static void transfer_finished_writes(fl_engine *e, uint32_t transfer, int64_t wr
 
 /* A posted write given up on (its copy went elsewhere, or its transfer failed) may still read the local
  * buffer until the provider reports it: the transfer is not buffer-safe until then. */
-static void abandon(fl_engine *e, op_slot *slot) {
+static void abandon(fl_engine *e, fl_nic *n, op_slot *slot) {
     slot->in_flight = 0;
     slot->abandoned = 1;
+    n->unreported++;
+    if (slot->ep_gen == n->renewals) n->unreported_here++;
     if (is_transfer(e, slot->op.transfer)) __atomic_add_fetch(ABANDONED(e, slot->op.transfer), 1, __ATOMIC_ACQ_REL);
 }
 
 /* The provider reported an abandoned write: it no longer reads the buffer. The transfer is told once its
  * writes are all finished and none it gave up on is still posted. */
-static void abandoned_done(fl_engine *e, op_slot *slot) {
+static void abandoned_done(fl_engine *e, fl_nic *n, op_slot *slot) {
     slot->abandoned = 0;
+    n->unreported--;
+    if (slot->ep_gen == n->renewals) n->unreported_here--;
     uint32_t transfer = slot->op.transfer;
     if (is_transfer(e, transfer) && __atomic_sub_fetch(ABANDONED(e, transfer), 1, __ATOMIC_ACQ_REL) == 0 &&
         __atomic_load_n(LEFT(e, transfer), __ATOMIC_ACQUIRE) == 0)
@@ -414,7 +450,7 @@ static int poll_nic(thread_ctx *t, int nic_index) {
             op_slot *slot = own_slot(n, ns, entries[i].op_context);
             if (!slot || (!slot->in_flight && !slot->abandoned)) continue; /* not a write of ours in flight */
             if (slot->abandoned) { /* it was sent again elsewhere; that copy is the one counted */
-                abandoned_done(t->e, slot);
+                abandoned_done(t->e, n, slot);
                 slot->next_free = ns->free_head;
                 ns->free_head = (uint32_t)(slot - ns->slots);
                 continue;
@@ -449,8 +485,9 @@ static int poll_nic(thread_ctx *t, int nic_index) {
     return handled;
 }
 
-/* 0 posted, 1 the provider said -FI_EAGAIN, 2 refused (its service transfer failed), 3 the NIC's link
- * was declared down (its writes moved to other NICs), -1 error. */
+/* 0 posted, 1 the provider said -FI_EAGAIN, 2 refused (its service transfer failed, or the write was moved to
+ * another NIC or held for a second try), 3 the NIC's link was declared down (its writes moved to other
+ * NICs), -1 error. */
 static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t extra_flags) {
     fl_nic *n = &t->e->nics[nic_index];
     nic_state *ns = &t->st->nics[nic_index];
@@ -466,6 +503,7 @@ static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t ex
                      (t->cfg->link_timeout_s > 0 ? FI_DELIVERY_COMPLETE : 0);
     ssize_t rc = fi_writemsg(n->ep, &msg, flags);
     if (rc == 0) {
+        slot->ep_gen = n->renewals;
         if (n->in_flight == 0) ns->last_ok_ns = fl_now_ns(); /* the link's clock starts with work */
         slot->in_flight = 1;
         ns->free_head = slot->next_free;
@@ -481,8 +519,11 @@ static int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t ex
     }
     if (t->service) { /* failed over when the way to the peer failed, else its transfer fails */
         n->errors++;
-        if (t->cfg->link_timeout_s > 0 && path_error((int)-rc)) {
-            mark_path_dead(t->e, ns, nic_index, op->dest);
+        if (t->cfg->link_timeout_s > 0 && path_error((int)-rc) && retry_after_revival(t, nic_index, op)) {
+            snprintf(n->down_why, sizeof n->down_why, "fi_writemsg failed right after a revival (%s): posted once "
+                     "more", fi_strerror((int)-rc));
+        } else if (t->cfg->link_timeout_s > 0 && path_error((int)-rc)) {
+            mark_path_dead(t->e, ns, nic_index, op->dest, 0);
             snprintf(n->down_why, sizeof n->down_why, "fi_writemsg: %s", fi_strerror((int)-rc));
             n->resent++;
             service_reroute(t, op);
@@ -567,9 +608,11 @@ static int progress_pending(thread_ctx *t, int nic_index) {
         uint32_t available = pending < room ? pending : room;
         int more = t->cfg->fi_more && available > 1 && run + 1 < MORE_RUN_MAX;
         const fl_op *op = &n->ring[n->ring_head % n->ring_capacity];
-        if (ns->dead_paths && path_dead(t->e, ns, nic_index, op->dest)) { /* marked since it was queued */
+        int why = ns->dead_paths ? path_dead(t->e, ns, nic_index, op->dest) : 0;
+        if (why) { /* marked since it was queued */
             n->resent++;
-            service_reroute(t, op);
+            fl_op moved = moved_off(op, why);
+            service_reroute(t, &moved);
             n->ring_head++;
             continue;
         }
@@ -1022,10 +1065,11 @@ int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double t
 
 /* ----------------------------------------------------------------------------------------- service */
 
+/* 0: the path is alive; 1: marked dead after an error (or the whole NIC is down); 2: after a stall. */
 static int path_dead(const fl_engine *e, const nic_state *ns, int nic_index, fi_addr_t dest) {
     if (e->nics[nic_index].down) return 1;
     for (int i = 0; i < ns->dead_paths; i++)
-        if (ns->dead_dests[i] == dest) return 1;
+        if (ns->dead_dests[i] == dest) return ns->dead_stalled[i] ? 2 : 1;
     return 0;
 }
 
@@ -1070,33 +1114,175 @@ static void service_reroute(thread_ctx *t, const fl_op *failed) {
             return;
         }
     }
-    transfer_done(e, failed->transfer, -FI_EHOSTUNREACH);
+    /* no NIC reaches the peer: FI_ETIMEDOUT when this write's path stopped completing writes (no error
+     * came back: the peer may be alive, see fabriclab.engine), FI_EHOSTUNREACH when paths failed */
+    transfer_done(e, failed->transfer, (failed->flags & FL_OP_STALLED) ? -FI_ETIMEDOUT : -FI_EHOSTUNREACH);
 }
 
-static void mark_path_dead(fl_engine *e, nic_state *ns, int nic_index, fi_addr_t dest) {
+static void mark_path_dead(fl_engine *e, nic_state *ns, int nic_index, fi_addr_t dest, int stalled) {
+    for (int i = 0; i < ns->revived_paths; i++) /* its second chance is spent */
+        if (ns->revived_dests[i] == dest) ns->revived_dests[i--] = ns->revived_dests[--ns->revived_paths];
     if (path_dead(e, ns, nic_index, dest)) return;
-    if (ns->dead_paths < MAX_DEAD_PATHS) ns->dead_dests[ns->dead_paths++] = dest;
-    else e->nics[nic_index].down = 1;
+    if (ns->dead_paths < MAX_DEAD_PATHS) {
+        ns->dead_stalled[ns->dead_paths] = (uint8_t)(stalled != 0);
+        ns->dead_dests[ns->dead_paths++] = dest;
+    } else {
+        e->nics[nic_index].down = 1;
+    }
 }
 
-/* Send every write of a NIC whose path is dead (in flight: outcome unknown; or queued) through other NICs. */
-static void reroute_dead_paths(thread_ctx *t, int nic_index) {
+/* How long a write waits before its second try after a path error on a freshly revived path: a tenth of
+ * the link timeout, within [RETRY_HOLD_MIN_NS, RETRY_HOLD_MAX_NS] and never over a quarter of it. Long
+ * enough for a provider to finish tearing down the old connection (tcp;ofi_rxm handles the peer's shutdown
+ * in its own progress, some milliseconds after the error it reported: posted at once, the second try
+ * often fails the same way), short next to the link timeout. */
+#define RETRY_HOLD_MIN_NS 50000000ull
+#define RETRY_HOLD_MAX_NS 250000000ull
+
+static int path_revived(const nic_state *ns, fi_addr_t dest) {
+    if (ns->revived_all) return 1;
+    for (int i = 0; i < ns->revived_paths; i++)
+        if (ns->revived_dests[i] == dest) return 1;
+    return 0;
+}
+
+/* A write failed with a path error. If its path was revived (Engine.connect) since it last failed and the
+ * write has not had its second try yet, hold it for one more post on this NIC and return 1: right after a
+ * revival the provider may still hold the connection that failed (tcp;ofi_rxm: the first write after the
+ * peer dropped it goes down the old socket and fails with ENOTCONN, and only then is the connection
+ * replaced). Else 0: the caller declares the path dead. */
+static int retry_after_revival(thread_ctx *t, int nic_index, const fl_op *op) {
+    nic_state *ns = &t->st->nics[nic_index];
+    if ((op->flags & FL_OP_RETRIED) || !path_revived(ns, op->dest)) return 0;
+    if (ns->held_len == ns->held_cap) { /* only on this failure path, never per write */
+        uint32_t cap = ns->held_cap ? 2 * ns->held_cap : 64;
+        fl_op *grown = realloc(ns->held, cap * sizeof *grown);
+        if (!grown) return 0;
+        ns->held = grown;
+        ns->held_cap = cap;
+    }
+    uint64_t hold = (uint64_t)(t->cfg->link_timeout_s * 1e8), quarter = (uint64_t)(t->cfg->link_timeout_s * 25e7);
+    hold = hold < RETRY_HOLD_MIN_NS ? RETRY_HOLD_MIN_NS : hold > RETRY_HOLD_MAX_NS ? RETRY_HOLD_MAX_NS : hold;
+    if (quarter < hold) hold = quarter;
+    if (ns->held_len == 0) ns->held_until_ns = fl_now_ns() + hold;
+    fl_op *again = &ns->held[ns->held_len++];
+    *again = *op;
+    again->flags |= FL_OP_RETRIED;
+    t->e->nics[nic_index].retried++;
+    return 1;
+}
+
+/* Queue the held writes of a NIC once their hold is over (as many as its ring takes). */
+static void release_held(thread_ctx *t, int nic_index) {
+    nic_state *ns = &t->st->nics[nic_index];
+    fl_nic *n = &t->e->nics[nic_index];
+    if (fl_now_ns() < ns->held_until_ns) return;
+    uint32_t moved = 0;
+    while (moved < ns->held_len && !ring_full(n)) {
+        *ring_slot(n) = ns->held[moved++];
+        n->ring_tail++;
+    }
+    memmove(ns->held, ns->held + moved, (ns->held_len - moved) * sizeof *ns->held);
+    ns->held_len -= moved;
+}
+
+/* Revival, on the worker that owns the NICs: forget dead paths (remembering them as revived), and swap in
+ * a fresh endpoint where Python handed one over. Runs before anything submitted after the revival is
+ * posted (drain_inbox calls it too, after it sees the new writes). */
+static void service_revive(thread_ctx *t) {
+    fl_engine *e = t->e;
+    uint32_t epoch = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
+    if (epoch == t->revive_seen) return;
+    t->revive_seen = epoch;
+    for (int k = t->id; k < e->nnics; k += t->cfg->threads) {
+        fl_nic *n = &e->nics[k];
+        nic_state *ns = &t->st->nics[k];
+        struct fid_ep *fresh = __atomic_exchange_n(&n->next_ep, NULL, __ATOMIC_ACQ_REL);
+        if (fresh) {
+            /* the old endpoint stays open and bound to the same CQ: its late completions still come here,
+             * counted through their slots, and peers may still write to its address */
+            n->ep = fresh;
+            n->renewals++;
+            n->unreported_here = 0;
+            ns->last_had_more = 0;
+        }
+        memcpy(ns->revived_dests, ns->dead_dests, sizeof ns->dead_dests);
+        ns->revived_paths = ns->dead_paths;
+        ns->revived_all = n->down;
+        ns->dead_paths = 0;
+        n->down = 0;
+    }
+}
+
+void fl_service_revive(fl_engine *e) {
+    __atomic_add_fetch(&e->revive_epoch, 1, __ATOMIC_RELEASE);
+}
+
+/* fl_worker_park asked this worker to keep off its NICs: sleep until it is released (or the engine stops). */
+static void park_if_asked(thread_ctx *t) {
+    engine_state *st = t->st;
+    if (!atomic_load_explicit(&st->park_request[t->id], memory_order_acquire)) return;
+    atomic_store_explicit(&st->parked[t->id], 1, memory_order_release);
+    struct timespec pause = {0, 20000};
+    while (atomic_load_explicit(&st->park_request[t->id], memory_order_acquire) && !stopping(t->e))
+        nanosleep(&pause, NULL);
+    atomic_store_explicit(&st->parked[t->id], 0, memory_order_release);
+}
+
+int fl_worker_park(fl_engine *e, int nic, double timeout_s) {
+    engine_state *st = e->state;
+    int threads = st ? st->service_threads : 0;
+    if (threads <= 0 || nic < 0 || nic >= e->nnics) return 0;
+    int w = nic % threads;
+    uint64_t until = fl_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+    struct timespec pause = {0, 20000};
+    atomic_store_explicit(&st->park_request[w], 1, memory_order_release);
+    while (!atomic_load_explicit(&st->parked[w], memory_order_acquire)) {
+        if (stopping(e) || fl_now_ns() > until) {
+            atomic_store_explicit(&st->park_request[w], 0, memory_order_release);
+            return 0;
+        }
+        nanosleep(&pause, NULL);
+    }
+    return 1;
+}
+
+void fl_worker_unpark(fl_engine *e, int nic) {
+    engine_state *st = e->state;
+    int threads = st ? st->service_threads : 0;
+    if (threads > 0 && nic >= 0 && nic < e->nnics)
+        atomic_store_explicit(&st->park_request[nic % threads], 0, memory_order_release);
+}
+
+int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep) {
+    if (nic < 0 || nic >= e->nnics || !ep) return 0;
+    struct fid_ep *none = NULL;
+    return __atomic_compare_exchange_n(&e->nics[nic].next_ep, &none, ep, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+}
+
+/* Send every write of a NIC whose path is dead (in flight: outcome unknown; or queued) through other NICs.
+ * `stalled`: the paths died for want of completions; the writes in flight on them carry that along. */
+static void reroute_dead_paths(thread_ctx *t, int nic_index, int stalled) {
     fl_nic *n = &t->e->nics[nic_index];
     nic_state *ns = &t->st->nics[nic_index];
     n->down_ns = fl_now_ns();
     for (uint32_t s = 0; s < n->max_in_flight; s++) {
         op_slot *slot = &ns->slots[s];
-        if (!slot->in_flight || !path_dead(t->e, ns, nic_index, slot->op.dest)) continue;
-        abandon(t->e, slot);
+        int why = slot->in_flight ? path_dead(t->e, ns, nic_index, slot->op.dest) : 0;
+        if (!why) continue;
+        abandon(t->e, n, slot);
         n->in_flight--;
         n->resent++;
-        service_reroute(t, &slot->op);
+        fl_op op = moved_off(&slot->op, stalled ? 2 : why);
+        service_reroute(t, &op);
     }
     uint32_t keep = n->ring_head;
     for (uint32_t i = n->ring_head; i != n->ring_tail; i++) {
         fl_op op = n->ring[i % n->ring_capacity];
-        if (path_dead(t->e, ns, nic_index, op.dest)) {
+        int why = path_dead(t->e, ns, nic_index, op.dest);
+        if (why) {
             n->resent++;
+            op = moved_off(&op, why);
             service_reroute(t, &op);
         } else {
             n->ring[keep++ % n->ring_capacity] = op;
@@ -1112,10 +1298,10 @@ static void service_paths_down(thread_ctx *t, int nic_index) {
     nic_state *ns = &t->st->nics[nic_index];
     int before = ns->dead_paths;
     for (uint32_t s = 0; s < n->max_in_flight; s++)
-        if (ns->slots[s].in_flight) mark_path_dead(t->e, ns, nic_index, ns->slots[s].op.dest);
+        if (ns->slots[s].in_flight) mark_path_dead(t->e, ns, nic_index, ns->slots[s].op.dest, 1);
     snprintf(n->down_why, sizeof n->down_why, "no completion for %.1f s with %u writes in flight: %d peer path(s) "
              "marked down", t->cfg->link_timeout_s, n->in_flight, ns->dead_paths - before);
-    reroute_dead_paths(t, nic_index);
+    reroute_dead_paths(t, nic_index, 1);
 }
 
 /* Errors that say the way to the peer failed (connection reset, canceled, unreachable, ...), not that the
@@ -1130,14 +1316,17 @@ static int drain_inbox(thread_ctx *t, uint32_t budget) {
     inbox *box = &t->st->inboxes[t->id];
     uint32_t head = atomic_load_explicit(&box->head, memory_order_relaxed);
     uint32_t tail = atomic_load_explicit(&box->tail, memory_order_acquire);
+    /* writes submitted after Engine.connect revived the paths are seen only with that revival */
+    if (head != tail) service_revive(t);
     uint32_t moved = 0;
     while (head != tail && moved < budget) {
         fl_op *op = &box->ops[head % INBOX_CAPACITY];
         fl_nic *n = &t->e->nics[op->nic];
-        if (path_dead(t->e, &t->st->nics[op->nic], op->nic, op->dest)) {
+        int why = path_dead(t->e, &t->st->nics[op->nic], op->nic, op->dest);
+        if (why) {
             head++; /* first, so that a reroute to this very inbox finds room */
             atomic_store_explicit(&box->head, head, memory_order_release);
-            fl_op rerouted = *op;
+            fl_op rerouted = moved_off(op, why);
             service_reroute(t, &rerouted);
             moved++;
             continue;
@@ -1169,14 +1358,8 @@ static void *service_thread(void *arg) {
     uint64_t passes = 0;
     t->revive_seen = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
     while (!stopping(e)) {
-        uint32_t epoch = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
-        if (epoch != t->revive_seen) { /* a peer (re)connected: every path gets another chance */
-            t->revive_seen = epoch;
-            for (int k = t->id; k < e->nnics; k += cfg->threads) {
-                t->st->nics[k].dead_paths = 0;
-                e->nics[k].down = 0;
-            }
-        }
+        park_if_asked(t);
+        service_revive(t); /* a peer (re)connected: every path gets another chance */
         if (cfg->link_timeout_s > 0 && (++passes & 1023) == 0) {
             uint64_t now = fl_now_ns();
             for (int k = t->id; k < e->nnics; k += cfg->threads)
@@ -1188,9 +1371,11 @@ static void *service_thread(void *arg) {
             int got = poll_nic(t, k);
             if (got < 0) return NULL;
             busy |= got;
+            if (t->st->nics[k].held_len) release_held(t, k);
             /* lazy posting: the queue was just drained, so this is when there is room */
             if (progress_pending(t, k) < 0) return NULL;
-            outstanding += e->nics[k].in_flight + (e->nics[k].ring_tail - e->nics[k].ring_head);
+            outstanding += e->nics[k].in_flight + (e->nics[k].ring_tail - e->nics[k].ring_head) +
+                           t->st->nics[k].held_len;
         }
         if (busy || outstanding) {
             idle = 0;
@@ -1252,6 +1437,8 @@ int fl_service_start(fl_engine *e, const fl_config *cfg) {
         if (!box->ops) break;
         atomic_store(&box->head, 0);
         atomic_store(&box->tail, 0);
+        atomic_store(&st->park_request[boxes], 0);
+        atomic_store(&st->parked[boxes], 0);
         st->service_ctx[boxes] = (thread_ctx){.e = e, .cfg = &st->service_cfg, .st = st, .id = boxes, .service = 1,
                                               .timeout_ns = (uint64_t)(cfg->timeout_s * 1e9)};
     }

@@ -38,6 +38,8 @@ typedef struct fl_op {
     uint16_t flags;
 } fl_op;
 #define FL_OP_IMM 1u
+#define FL_OP_RETRIED 2u /* service: already posted once more after a path error right after a revival */
+#define FL_OP_STALLED 4u /* service: given up on because its path stopped completing writes (no error came) */
 #define FL_NO_TRANSFER 0xffffffffu
 #define FL_NO_IMM 0xffffffffull /* sent when the caller gave none, so targets still see traffic */
 #define FL_TRANSFER_FIELDS 3
@@ -65,6 +67,14 @@ typedef struct fl_nic {
     int down;
     uint64_t down_ns, resent;
     char down_why[160];
+    /* service mode, written only by the owning worker: writes given up on (sent again elsewhere) that the
+     * provider has not reported yet, on any of this slot's endpoints, and on the current one. A provider
+     * that never reports a write (shm: one into a region the peer closed) may leave the endpoint stuck
+     * behind it: Engine.connect then hands the slot a fresh endpoint (next_ep, fl_nic_renew) */
+    uint64_t unreported, unreported_here;
+    uint64_t retried;        /* writes posted once more after a path error on a path revived since it failed */
+    uint32_t renewals;       /* fresh endpoints swapped in */
+    struct fid_ep *next_ep;  /* a fresh endpoint waiting for the worker (swapped in at the next revival) */
 } __attribute__((aligned(64))) fl_nic;
 
 typedef struct fl_config {
@@ -127,7 +137,8 @@ typedef struct fl_engine {
     volatile uint64_t *imm_keys, *imm_counts;
     uint32_t imm_capacity;   /* a power of two */
     volatile int imm_watch;  /* someone waits for immediate data: wake fl_service_wait when it arrives */
-    volatile uint32_t revive_epoch; /* bumped when a peer connects: service workers forget dead paths */
+    volatile uint32_t revive_epoch; /* bumped when a peer connects (fl_service_revive): service workers forget
+                                     * dead paths and swap in the endpoints fl_nic_renew handed over */
     void *state;                       /* engine-private */
 } fl_engine;
 
@@ -168,6 +179,18 @@ void fl_service_wake(fl_engine *e);
 /* `writes` of a transfer will never be posted (its submission was given up): count them as finished. */
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 void fl_service_stop(fl_engine *e);
+/* Revival (Engine.connect): every worker forgets the paths it had marked dead and swaps in the fresh
+ * endpoints handed over with fl_nic_renew, on its own thread, before it posts anything else. */
+void fl_service_revive(fl_engine *e);
+/* Park the worker that owns NIC slot `nic` (it sleeps, touching none of its NICs, until fl_worker_unpark), so
+ * that Python can open an endpoint bound to that slot's CQ and AV: shm progresses every endpoint bound to a
+ * CQ it reads, even one not enabled yet. 1 once parked; 0 after timeout_s or when the engine stops. */
+int fl_worker_park(fl_engine *e, int nic, double timeout_s);
+void fl_worker_unpark(fl_engine *e, int nic);
+/* Hand NIC slot `nic` a fresh endpoint (same domain, bound to the slot's CQ and AV, enabled), swapped in by
+ * its worker at the next fl_service_revive. The old endpoint must stay open (late completions, and peers
+ * writing to its address). 0 when one is already waiting (the caller keeps ep), else 1. */
+int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep);
 /* If at least `count` writes carrying `imm` have arrived, consume them and return 1; else 0. */
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
 #endif

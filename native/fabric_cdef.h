@@ -238,6 +238,7 @@ typedef struct fl_nic {
     int group; uint32_t max_in_flight; uint32_t ring_capacity; uint32_t in_flight;
     uint64_t bytes, writes, completions, eagain, cq_polls, errors, arrivals, more_flushes;
     int down; uint64_t down_ns, resent; char down_why[...];
+    uint64_t unreported, unreported_here, retried; uint32_t renewals; struct fid_ep *next_ep;
     ...;
 } fl_nic;
 typedef struct fl_config {
@@ -279,6 +280,10 @@ void fl_service_wake(fl_engine *e);
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 void fl_service_stop(fl_engine *e);
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
+void fl_service_revive(fl_engine *e);
+int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep);
+int fl_worker_park(fl_engine *e, int nic, double timeout_s);
+void fl_worker_unpark(fl_engine *e, int nic);
 
 /* ------------------------------------------------- signal dispositions around libfabric's init (signals.h) */
 typedef struct fl_signal_snapshot fl_signal_snapshot;

@@ -3,11 +3,15 @@
     python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex]
 prints its bootstrap port, swaps (address, descriptor) with the test over it, then answers commands
 read from stdin, one per line: "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (or "timeout"),
-"digest", "count BYTE" -> how many bytes of the buffer hold that value. DOMAIN may name several NICs, comma-separated. With --hex it prints the packed (address,
+"digest", "count BYTE" -> how many bytes of the buffer hold that value, "close-region" (closes the
+region, waits until it is deregistered, registers a fresh zeroed buffer of the same size and answers
+with its descriptor in hex: later digests are of that buffer). DOMAIN may name several NICs,
+comma-separated. With --hex it prints the packed (address,
 descriptor) as one hex line instead of a port: a test outside the peer's network namespace cannot reach
 the peer's loopback, but it can always read the peer's stdout."""
 import hashlib
 import sys
+import time
 
 import numpy as np
 
@@ -36,3 +40,12 @@ with Engine(provider, domains=None if domain == "-" else domain, pin=False, time
             print(f"sha256={hashlib.sha256(buffer).hexdigest()}", flush=True)
         elif words[0] == "count":
             print(int(np.count_nonzero(buffer == int(words[1]))), flush=True)
+        elif words[0] == "close-region":
+            old = region.registrations
+            region.close()
+            deadline = time.monotonic() + 10
+            while not all(r.mr.closed for r in old) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the engine deregisters a closed region in the background
+            buffer = np.zeros(size, dtype=np.uint8)
+            region = engine.register(buffer)
+            print(region.descriptor().hex(), flush=True)
