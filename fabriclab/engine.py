@@ -359,7 +359,7 @@ class _RegionState:
 class Region:
     """Memory registered with every NIC of an engine. ``descriptor()`` is what a peer needs to write here.
 
-    A read-only buffer (``bytes``, a read-only numpy array) is registered as a source only: it can be
+    A read-only buffer (bytes, a read-only numpy array) is registered as a source only: it can be
     written from, and has no descriptor, since peers cannot write into it."""
 
     _ids = itertools.count(1)
@@ -385,10 +385,12 @@ class Region:
 
     @property
     def registrations(self):
+        """The region's registration with each NIC slot (one per domain, shared by its slots)."""
         return self._state.registrations
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` was called (or the engine closed)."""
         return self._state.closed
 
     def descriptor(self) -> bytes:
@@ -611,7 +613,7 @@ class Engine:
     Pinned workers poll their NICs without rest, so keep your own busy threads off their cores:
     ``os.sched_setaffinity(0, engine.housekeeping_cores)`` (the engine's own reaper thread runs there).
     Done-callbacks of transfers run on a thread of their own, one at a time. An engine dropped without
-    ``close()`` closes itself once collected. After ``fork()`` an engine belongs to the parent: the child
+    ``close()`` closes itself once collected. After fork() an engine belongs to the parent: the child
     makes its own.
     """
 
@@ -633,6 +635,7 @@ class Engine:
 
     @property
     def provider(self) -> str:
+        """The libfabric provider the NICs belong to (efa, shm, tcp;ofi_rxm, ...)."""
         return self._service.provider
 
     @property

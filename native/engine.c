@@ -247,6 +247,7 @@ static int path_dead(const fl_engine *e, const nic_state *ns, int nic_index, fi_
 static void mark_path_dead(fl_engine *e, nic_state *ns, int nic_index, fi_addr_t dest, int stalled);
 static void service_reroute(thread_ctx *t, const fl_op *failed);
 static void reroute_dead_paths(thread_ctx *t, int nic_index, int stalled);
+static void service_paths_down(thread_ctx *t, int nic_index);
 static int link_down(thread_ctx *t, int nic_index, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 /* A write moved off a dead path carries why that path died, so that a transfer failing for want of any
@@ -592,8 +593,11 @@ static int flush_more(thread_ctx *t, int nic_index) {
         if (got < 0) return -1;
         if (n->down) return 0;
         if (got > 0) t->last_progress_ns = fl_now_ns();
-        else if (link_stalled(t, nic_index, fl_now_ns())) return check_link(t, nic_index);
-        else if (check_timeout(t, nic_index)) return -1;
+        else if (link_stalled(t, nic_index, fl_now_ns())) {
+            if (!t->service) return check_link(t, nic_index);
+            service_paths_down(t, nic_index); /* service NICs have no group: their peers' paths go down */
+            return 0;
+        } else if (!t->service && check_timeout(t, nic_index)) return -1; /* service deadlines are per transfer */
     }
 }
 

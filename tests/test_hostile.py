@@ -54,12 +54,15 @@ def test_several_writer_engines_into_one_target(fabric):
         target.close()
 
 
-def test_buffer_safe_is_said_only_when_no_write_can_read_the_buffer(fabric):
+@pytest.mark.parametrize("fi_more", [False, True], ids=["plain", "fi_more"])
+def test_buffer_safe_is_said_only_when_no_write_can_read_the_buffer(fabric, fi_more):
     """A stopped target: the transfer fails, but its writes are still posted and the target reads them
-    once it runs again; buffer_safe must stay False until they are reported (wait_safe)."""
+    once it runs again; buffer_safe must stay False until they are reported (wait_safe). With FI_MORE,
+    the stall is met while flushing a run of writes (which once took the service's NICs for a write
+    run's and crashed)."""
     target = PeerProcess(fabric, 1024 * PAGE)
     try:
-        with Engine(fabric[0], domains=fabric[1], pin=False, timeout=2) as engine:
+        with Engine(fabric[0], domains=fabric[1], pin=False, timeout=2, fi_more=fi_more) as engine:
             data = np.full(1024 * PAGE, 0x11, np.uint8)
             region = engine.register(data)
             peer = engine.connect(target.address)
