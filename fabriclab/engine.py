@@ -631,7 +631,7 @@ class Engine:
         self.id = secrets.randbits(63) | 1
         self._service = _Service(provider, domains, pin, bool(fi_more), self.timeout, gpu, link_timeout, **options)
         # the finalizer holds the service, never the engine: a dropped engine is collected, then closed
-        self._finalizer = weakref.finalize(self, self._service.close)
+        self._finalizer = weakref.finalize(self, _Service.close_collected, self._service)
 
     @property
     def provider(self) -> str:
@@ -718,7 +718,8 @@ class Engine:
         """Stop the worker threads, fail what is still pending, and close every NIC. A transfer still in
         flight fails with ``buffer_safe=False``: once the engine is gone nobody can tell when its writes
         stop reading the buffer (a shared-memory peer may still copy from it)."""
-        self._finalizer()
+        self._finalizer.detach()
+        self._service.close()
 
     def __enter__(self):
         return self
@@ -981,8 +982,19 @@ class _Service:
             self.next_deadline = 0.0  # the reaper fails what is left with RegionClosed
         lib.fl_service_wake(self.native._ptr)
 
+    @staticmethod
+    def close_collected(service: "_Service") -> None:
+        """The Engine was collected (or the interpreter exits): close its service. Collection happens on
+        whatever thread allocates at that moment, so the close (joining threads, closing NICs) goes to a
+        thread of its own: a Ctrl-C meant for that thread must not land in a long finalizer, where Python
+        drops it. At exit (the main thread already stopped) it closes here and now."""
+        if threading.main_thread().is_alive():
+            threading.Thread(target=service.close, name="fabriclab-engine-closer", daemon=True).start()
+        else:
+            service.close()
+
     def close(self) -> None:
-        """Stop everything (the Engine's finalizer: ``Engine.close()``, collection, or interpreter exit)."""
+        """Stop everything (``Engine.close()``, or the Engine's collection or the interpreter's exit)."""
         if self.closed:
             return
         self.closed = True

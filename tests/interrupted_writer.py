@@ -10,6 +10,7 @@ A SIGINT at any time is caught as KeyboardInterrupt and answered with "interrupt
 program that survives Ctrl-C would; the process then goes on reading commands."""
 import hashlib
 import os
+import signal
 import sys
 
 import numpy as np
@@ -17,6 +18,9 @@ import numpy as np
 from fabriclab import Engine, bootstrap
 
 PAGE = 4096
+# Python turns SIGINT into KeyboardInterrupt only when it was not ignored at start; a background job of a
+# non-interactive shell (a CI runner, `make test &`) starts with it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 with Engine("shm", pin=False, timeout=10) as engine:
     data = np.arange(64 * PAGE, dtype=np.uint32).astype(np.uint8)

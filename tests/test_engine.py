@@ -123,9 +123,15 @@ def test_keyboard_interrupt_stops_the_engine_and_python_goes_on(target):
     writer = writer_for(fabric, server, nics=2, threads=1)
     try:
         writer.prepare(rdma_write.PagePlan.for_total(65536, 1 << 40, buffer_bytes=1 << 20))
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-        with pytest.raises(KeyboardInterrupt):
-            writer.transfer()
+        # Ctrl-C as an interactive session has it: a test run started in the background (a CI runner,
+        # `make test &`) inherits SIGINT ignored, and would never see the KeyboardInterrupt
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            with pytest.raises(KeyboardInterrupt):
+                writer.transfer()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         writer.release()
         plan, stats, report = transfer_once(writer, 1 << 20, 65536)  # the same writer still works
         assert report.verified is True

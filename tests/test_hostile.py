@@ -215,17 +215,23 @@ def test_dropped_engines_close_themselves():
         engine = Engine("shm", pin=False)
         engine.register(np.zeros(PAGE, np.uint8))
 
-    drop_one()
-    gc.collect()
-    threads, fds = threading.active_count(), open_fds()
+    def engine_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("fabriclab-engine")]
+
+    def settle():  # a collected engine is closed on a thread of its own: wait for those to finish
+        gc.collect()
+        deadline = time.monotonic() + 20
+        while engine_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     mine = lambda: [n for n in os.listdir("/dev/shm") if n.startswith(f"{os.getpid()}:")]  # noqa: E731
-    regions = len(mine())
+    drop_one()
+    settle()
+    threads, fds, regions = threading.active_count(), open_fds(), len(mine())
     for _ in range(20):
         drop_one()
-    gc.collect()
-    deadline = time.monotonic() + 10
-    while threading.active_count() > threads and time.monotonic() < deadline:
-        time.sleep(0.05)
+    settle()
+    assert not engine_threads()
     assert threading.active_count() <= threads
     assert len(mine()) <= regions
     assert open_fds() <= fds
