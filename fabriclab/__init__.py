@@ -6,8 +6,8 @@
 import importlib
 
 __version__ = "0.1.0"
-_PUBLIC = ("Engine", "Region", "Peer", "Transfer", "TransferResult", "TransferError", "PeerLost", "WriteRejected",
-           "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange")
+_PUBLIC = ("Engine", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError", "TransferError",
+           "PeerLost", "WriteRejected", "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange")
 __all__ = list(_PUBLIC)
 
 

@@ -43,8 +43,10 @@ import numpy as np
 from . import fi, multi_nic, shmclean
 from ._fabric import ffi, lib
 
-__all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "TransferError", "PeerLost", "WriteRejected",
-           "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange"]
+FabriclabError, UsageError = fi.FabriclabError, fi.UsageError  # the error root, and bad input (exported)
+
+__all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError", "TransferError",
+           "PeerLost", "WriteRejected", "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange"]
 
 TRANSFER_SLOTS = 1 << 16
 MAX_RENEWALS = 64  # fresh endpoints per NIC slot: a peer that keeps stalling them cannot exhaust file descriptors
@@ -55,7 +57,7 @@ DEFAULT_STRIPE = 1 << 20
 # ------------------------------------------------------------------------------------------- errors
 
 
-class TransferError(RuntimeError):
+class TransferError(fi.FabriclabError, RuntimeError):
     """A transfer could not finish. ``buffer_safe``: no write of it can still read the local buffer.
 
     When it is False, ``wait_safe(timeout)`` waits for the moment it becomes true (the provider reported

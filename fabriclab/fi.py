@@ -89,7 +89,12 @@ def flag_names(value: int, names: dict[int, str]) -> list[str]:
 # --------------------------------------------------------------------------------------------- errors
 
 
-class FabricError(RuntimeError):
+class FabriclabError(Exception):
+    """The root of every error fabriclab raises on purpose (libfabric failures, bad input, failed
+    transfers, the testbed's): ``except fabriclab.FabriclabError`` catches them all, and nothing else."""
+
+
+class FabricError(FabriclabError, RuntimeError):
     """A libfabric call failed: carries the call, the errno (positive) and its name, and libfabric's text.
 
     ``detail`` holds provider-specific text (``fi_cq_strerror``) for errors read from a completion queue,
@@ -124,7 +129,7 @@ class FabricTimeout(FabricError, TimeoutError):
         self.timeout = timeout
 
 
-class UsageError(ValueError):
+class UsageError(FabriclabError, ValueError):
     """Bad input detected before any libfabric call: the message names the problem and the fix."""
 
 

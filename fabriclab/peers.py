@@ -19,12 +19,12 @@ import threading
 import time
 import weakref
 
-from .fi import Address
+from .fi import Address, FabriclabError
 
 _live: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()
 
 
-class ServerExited(RuntimeError):
+class ServerExited(FabriclabError, RuntimeError):
     """The server process ended (or never printed its address): carries its exit status and last lines."""
 
     def __init__(self, what: str, returncode: int | None, last_lines: list[str]):

@@ -79,7 +79,7 @@ _PREFIX_RX = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,39}$")
 _IFNAME_RX = re.compile(r"^fl(\d+)([ab])$")
 
 
-class TestbedError(RuntimeError):
+class TestbedError(fi.FabriclabError, RuntimeError):
     """Setting up, using or tearing down the testbed failed; the message names what and how to fix it."""
     __test__ = False
 

@@ -236,3 +236,18 @@ def test_bench_api_compares_engine_and_stage_15_paths(fabric):
     assert result["raw_gbps"] > 0 and result["api_gbps"] > 0
     assert result["ratio"] == pytest.approx(result["api_gbps"] / result["raw_gbps"])
     assert set(result["us_per_call"]) == {1, 16} and all(us > 0 for us in result["us_per_call"].values())
+
+
+def test_one_error_root():
+    """Every error fabriclab raises on purpose derives from fabriclab.FabriclabError, exported with the rest."""
+    import fabriclab
+    from fabriclab import peers, testbed, unidirectional
+    errors = [getattr(fabriclab, name) for name in fabriclab.__all__ if name.endswith(("Error", "Lost", "Timeout",
+                                                                                        "Closed", "Descriptor",
+                                                                                        "Range", "Rejected"))]
+    errors += [fi.FabricError, fi.FabricTimeout, fi.UsageError, peers.ServerExited, testbed.TestbedError,
+               unidirectional.ServerSilent]
+    assert fabriclab.UsageError is fi.UsageError and len(errors) > 12
+    assert all(issubclass(e, fabriclab.FabriclabError) for e in errors), errors
+    with pytest.raises(fabriclab.FabriclabError):
+        Engine("shm", timeout=-1)
