@@ -3,7 +3,6 @@ printed as one line (no traceback) with a non-zero exit status."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
@@ -35,24 +34,24 @@ def positive_size(text: str) -> int:
 
 
 def positive_seconds(text: str) -> float:
-    """argparse type for deadlines (--timeout): a finite number of seconds larger than zero. Zero or less
-    would fail every wait at once, nan would never compare, inf would turn a dead peer into a hang."""
-    return _seconds(text, "a finite number larger than zero, e.g. 30", lambda v: v > 0)
+    """argparse type for deadlines (--timeout): fi.seconds' rule, from the command line."""
+    return _seconds(text, None)
 
 
 def seconds_or_off(text: str) -> float:
-    """argparse type for --link-timeout: a finite number of seconds larger than zero, or 0 for off."""
-    return _seconds(text, "a finite number larger than zero (e.g. 5), or 0 to turn failover off", lambda v: v >= 0)
+    """argparse type for --link-timeout: the same, or 0 for off."""
+    return _seconds(text, "failover off")
 
 
-def _seconds(text: str, must_be: str, accept) -> float:
+def _seconds(text: str, zero_means: str | None) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds: give {must_be}") from None
-    if not math.isfinite(value) or not accept(value):
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be {must_be}")
-    return value
+        value = text  # not a number: fi.seconds says what it must be
+    try:
+        return fi.seconds(value, "seconds", zero_means=zero_means)
+    except fi.UsageError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
 def parse_size(text: str | int) -> int:

@@ -24,8 +24,6 @@ import concurrent.futures
 import errno
 import itertools
 import logging
-import math
-import numbers
 import operator
 import os
 import queue
@@ -117,22 +115,6 @@ _PEER_GONE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.EN
 # ------------------------------------------------------------------------------------ input checks
 
 
-def _seconds(value, name: str, default: float | None = None, zero_means: str | None = None) -> float:
-    """A number of seconds: positive and finite (``None``: the default). With ``zero_means``, 0 is
-    allowed too and means that."""
-    if value is None and default is not None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise fi.UsageError(f"{name} must be a number of seconds, got {value!r}")
-    value = float(value)
-    if value == 0 and zero_means:
-        return 0.0
-    if not math.isfinite(value) or value <= 0:
-        allowed = f"positive and finite, or 0 ({zero_means})" if zero_means else "positive and finite"
-        raise fi.UsageError(f"{name} must be {allowed} seconds, got {value}")
-    return value
-
-
 def _integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
     """An integer (numpy integers too; never a float or bool, which would be silently truncated)."""
     if isinstance(value, (bool, np.bool_)):
@@ -198,7 +180,7 @@ class _Safety:
         return self._state is True
 
     def wait(self, timeout: float | None) -> bool:
-        timeout = _seconds(timeout, "timeout", self._default_timeout)
+        timeout = fi.seconds(timeout, "timeout", self._default_timeout)
         with self._cond:
             self._cond.wait_for(lambda: self._state is not None, timeout)
             return self._state is True
@@ -373,7 +355,7 @@ class Region:
         self.readonly = readonly
         self.id = next(self._ids)
         self._keep = keep
-        access = fi.lib.FI_WRITE | fi.lib.FI_SEND if readonly else None  # a source of writes and nothing more
+        access = fi.lib.FI_WRITE | fi.lib.FI_SEND if readonly else fi.ACCESS_ALL  # read-only: a source only
         registrations = engine._service.nics.register(view, access=access)
         self._state = _RegionState(registrations)
         if any(r.staging is not None for r in registrations):
@@ -415,7 +397,7 @@ class Region:
         the memory. Closing after the engine closed does nothing (the engine took its registrations)."""
         if self._state.closed:
             return
-        timeout = _seconds(timeout, "timeout", self.engine.timeout)
+        timeout = fi.seconds(timeout, "timeout", self.engine.timeout)
         self._state.closed = True
         self.engine._service.close_region(self._state, timeout)
 
@@ -623,8 +605,8 @@ class Engine:
                  threads: int | None = None, pin: bool = True, batch: int = 16, fi_more: bool = False,
                  timeout: float = 30.0, in_flight: int | None = None, gpu: bool | None = None,
                  link_timeout: float | None = None):
-        self.timeout = _seconds(timeout, "timeout")
-        link_timeout = _seconds(link_timeout, "link_timeout", self.timeout / 3, zero_means="no failover")
+        self.timeout = fi.seconds(timeout, "timeout")
+        link_timeout = fi.seconds(link_timeout, "link_timeout", self.timeout / 3, zero_means="failover off")
         options = {
             "nics": None if nics is None else _integer(nics, "nics", 1, lib.FL_MAX_NICS),
             "threads": None if threads is None else _integer(threads, "threads", 1, lib.FL_MAX_THREADS),
@@ -706,7 +688,7 @@ class Engine:
         self._service.check_open()
         imm = _integer(imm, "imm", 0, lib.FL_NO_IMM - 1)
         count = _integer(count, "count", 1, 2 ** 63 - 1)
-        return self._service.expect(imm, count, _seconds(timeout, "timeout", self.timeout))
+        return self._service.expect(imm, count, fi.seconds(timeout, "timeout", self.timeout))
 
     def stats(self) -> dict:
         """A snapshot: per-NIC counters (bytes, writes, completions, EAGAINs, CQ polls, errors, arrivals;
@@ -927,7 +909,7 @@ class _Service:
         if region.engine._service is not self:
             raise fi.UsageError("that region was registered with another engine")
         imm = lib.FL_NO_IMM if imm is None else _integer(imm, "imm", 0, lib.FL_NO_IMM - 1)
-        timeout = _seconds(timeout, "timeout", self.timeout)
+        timeout = fi.seconds(timeout, "timeout", self.timeout)
         n = src.size
         uniform = np.isscalar(lengths)
         nbytes = n * lengths if uniform else int(lengths.sum())

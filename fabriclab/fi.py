@@ -17,6 +17,8 @@ from __future__ import annotations
 import collections
 import errno as _errno
 import itertools
+import math
+import numbers
 import os
 import signal
 import socket
@@ -131,6 +133,21 @@ class FabricTimeout(FabricError, TimeoutError):
 
 class UsageError(FabriclabError, ValueError):
     """Bad input detected before any libfabric call: the message names the problem and the fix."""
+
+
+def seconds(value, name: str, default: float | None = None, zero_means: str | None = None) -> float:
+    """A number of seconds for a deadline: finite and larger than zero (``None``: the default). Zero or
+    less would fail every wait at once, nan never compares, inf turns a dead peer into a hang. With
+    ``zero_means``, 0 is allowed too ("failover off", say)."""
+    if value is None and default is not None:
+        return default
+    number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    if number and float(value) == 0 and zero_means:
+        return 0.0
+    if not number or not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{name} must be a finite number larger than zero"
+                         f"{f', or 0 to turn {zero_means}' if zero_means else ''}, got {value!r}")
+    return float(value)
 
 
 def errno_name(code: int) -> str:

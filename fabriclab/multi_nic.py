@@ -100,9 +100,9 @@ class NicSet:
                      "endpoints share one)")
         return text
 
-    def register(self, buffer, access: int | None = None) -> list[memory.Registration]:
+    def register(self, buffer, access: int = fi.ACCESS_ALL) -> list[memory.Registration]:
         """The buffer registered once per domain (per endpoint where the provider binds memory to one), for
-        every use unless ``access`` says which (fi access flags)."""
+        for the uses ``access`` names (fi access flags; default every use)."""
         per_domain: dict[str, memory.Registration] = {}
         out = []
         for slot in self.slots:
@@ -110,8 +110,7 @@ class NicSet:
             reg = None if bind else per_domain.get(slot.domain_name)
             if reg is None:
                 stack = _SlotStack(self.domains[slot.domain_name], slot.ep)
-                reg = memory.register(stack, buffer, staging=out[0].staging if out else None,
-                                      access=fi.ACCESS_ALL if access is None else access)
+                reg = memory.register(stack, buffer, staging=out[0].staging if out else None, access=access)
                 per_domain.setdefault(slot.domain_name, reg)
             out.append(reg)
         return out
