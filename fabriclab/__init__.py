@@ -1,7 +1,15 @@
 """fabriclab: a course and a transfer engine for multi-NIC RDMA with libfabric.
 
-``from fabriclab import Engine`` is the library; the stage modules (``fabriclab.unidirectional`` …
-``fabriclab.batched``) are the course's steps.
+``from fabriclab import Engine`` is the library. The package is layered, each layer importing only
+from the ones below it (``tests/test_layers.py`` holds it to that):
+
+* the binding: ``fi`` (libfabric through cffi);
+* the library core: ``nics`` (NIC sets, worker placement), ``_native`` (the C engine's wrapper),
+  ``memory``, ``gpu``, ``topology``, ``shmclean``, ``cli`` (command-line plumbing), ``engine``
+  (``Engine``) and ``bootstrap`` (exchanging descriptors);
+* the course's stages, chapter by chapter, each importing the one before: ``unidirectional``,
+  ``bidirectional``, ``rdma_write``, ``opqueue``, ``multi_nic``, ``threaded``, ``batched``;
+* ``course`` (the notebooks' tooling) and ``tools`` (``bench``, ``testbed``, ``peers``, ``apidoc``).
 """
 import importlib
 

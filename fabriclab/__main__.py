@@ -87,17 +87,17 @@ COMMANDS = {
     "info": ("providers, domains/NICs, FI_HMEM support and CUDA devices on this machine",
              "fabriclab.__main__", "main_info", "add_info_arguments"),
     "bench": ("the one benchmark harness: Gbps, Mops/s, ns of CPU per write, memcpy ceiling",
-              "fabriclab.bench", "main", "add_arguments"),
+              "fabriclab.tools.bench", "main", "add_arguments"),
     "tour": ("run every lesson headless and print the measured figures beside the article's",
-             "fabriclab.tour", "main", "add_arguments"),
+             "fabriclab.course.tour", "main", "add_arguments"),
     "testbed": ("two network namespaces joined by N shaped veth links, a small p5: up, down, status, link-down, "
-                "link-up", "fabriclab.testbed", "cli_main", "add_arguments"),
+                "link-up", "fabriclab.tools.testbed", "cli_main", "add_arguments"),
     "clean": ("remove the shared-memory regions (/dev/shm) that killed processes left behind; --dry-run lists "
               "them", "fabriclab.shmclean", "main", "add_arguments"),
     "topo": ("GPU <-> NIC <-> NUMA <-> CPU layout and the proposed NIC groups and cores (or a recorded one: "
              "--recorded p5.48xlarge)", "fabriclab.topology", "main", "add_arguments"),
     "apidoc": ("the API reference of fabriclab.Engine and fabriclab.bootstrap, rendered from the docstrings into "
-               "Markdown; fails on a docstring reference that does not resolve", "fabriclab.apidoc", "main",
+               "Markdown; fails on a docstring reference that does not resolve", "fabriclab.tools.apidoc", "main",
                "add_arguments"),
 }
 

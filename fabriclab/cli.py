@@ -10,7 +10,6 @@ import threading
 from typing import Callable
 
 from . import fi
-from .peers import ServerExited
 
 
 def add_fabric_options(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +121,7 @@ def run(main: Callable[[list[str] | None], int | None], argv: list[str] | None =
     except fi.UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except (fi.FabricError, ServerExited) as exc:
+    except fi.FabriclabError as exc:  # fabric, transfer, testbed, a server that exited: one root
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

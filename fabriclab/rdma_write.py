@@ -176,6 +176,17 @@ class Target:
             self.buffer.close()
             self.buffer = None
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """Leaving a ``with`` block releases the target's regions, then closes the endpoint stack it was given."""
+        try:
+            self.release()
+        finally:
+            self.stack.close()
+        return False
+
     @property
     def address(self) -> fi.Address:
         """The control endpoint's address, advertising the largest control message it takes."""
@@ -336,6 +347,7 @@ class Writer(Client):
         return Report(**json.loads(reply))
 
     def release(self) -> None:
+        """Give back this transfer's source and registrations (prepare() makes new ones)."""
         if self.registration is not None:
             self.registration.close()
             self.registration = None
@@ -343,19 +355,22 @@ class Writer(Client):
             self.source.close()
             self.source = None
 
+    def close(self) -> None:
+        """Release, then say goodbye (the target forgets this writer)."""
+        try:
+            self.release()
+        finally:
+            super().close()
+
 
 def serve_target(make_target, args, stop) -> int:
     """Open the control endpoint, print its address line, serve writers until ``stop``."""
     control_domain = (args.domain or "").split(",")[0] or None
-    with memory.open_endpoint(args.provider, control_domain, args.memory) as stack:
-        target = make_target(stack)
+    with memory.open_endpoint(args.provider, control_domain, args.memory) as stack, make_target(stack) as target:
         print(target.address.hex(), flush=True)
         print(f"{type(target).__name__} on {stack.info.provider} domain {stack.info.domain}: "
               f"{stack.ep.address().describe()}", flush=True)
-        try:
-            target.serve(stop)
-        finally:
-            target.release()
+        target.serve(stop)
     return 0
 
 
@@ -367,14 +382,11 @@ def run_writer(make_writer, args):
     """One whole transfer from the command line: (writer's memory paths, WriteStats, Report)."""
     plan = PagePlan.for_total(args.page_size, args.total)
     control_domain = (args.domain or "").split(",")[0] or None
-    with memory.open_endpoint(args.provider, control_domain, args.memory) as stack:
-        writer = make_writer(stack)
+    with memory.open_endpoint(args.provider, control_domain, args.memory) as stack, make_writer(stack) as writer:
         paths = writer.prepare(plan, args.memory)
         stats = writer.transfer()
         report = writer.finish()
         description = writer.nicset.describe() if getattr(writer, "nicset", None) else ""
-        writer.release()
-        writer.close()
     return paths, stats, report, description
 
 

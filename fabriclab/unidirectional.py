@@ -138,6 +138,23 @@ class Sender:
             self.stack.cq.wait(lambda: bool(done), self.timeout, "the send's completion", done.append)
         return time.perf_counter() - start
 
+    def close(self) -> None:
+        """Deregister what this sender registered; the endpoint stack it was given stays open."""
+        if self._mr is not None:
+            self._mr.close()
+            self._mr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """Leaving a ``with`` block closes this sender, then the endpoint stack it was given (its one user)."""
+        try:
+            self.close()
+        finally:
+            self.stack.close()
+        return False
+
 
 def serve(args, stop: cli.StopSignal) -> int:
     with open_endpoint(args.provider, args.domain) as stack:
@@ -156,8 +173,7 @@ def serve(args, stop: cli.StopSignal) -> int:
 def connect(args) -> int:
     payload = args.message.encode() if args.message is not None else np.random.default_rng().integers(
         0, 256, size=args.size, dtype=np.uint8)
-    with open_endpoint(args.provider, args.domain) as stack:
-        sender = Sender(stack, args.address, args.timeout)
+    with open_endpoint(args.provider, args.domain) as stack, Sender(stack, args.address, args.timeout) as sender:
         elapsed = sender.send(payload)
         print(f"sent {len(memoryview(payload).cast('B'))} bytes in {elapsed * 1e6:.1f} us "
               f"sha256={hashlib.sha256(payload).hexdigest()}")

@@ -229,7 +229,7 @@ def test_lifecycles_do_not_leak():
 
 
 def test_bench_api_compares_engine_and_stage_15_paths(fabric):
-    from fabriclab.bench import BenchConfig, api_comparison
+    from fabriclab.tools.bench import BenchConfig, api_comparison
     result = api_comparison(BenchConfig(provider=fabric[0], domain=fabric[1], total=8 << 20, nics=2, timeout=20),
                             calls=(1, 16), rounds=2)
     assert len(result["raw_runs"]) == len(result["api_runs"]) == 2
@@ -241,7 +241,8 @@ def test_bench_api_compares_engine_and_stage_15_paths(fabric):
 def test_one_error_root():
     """Every error fabriclab raises on purpose derives from fabriclab.FabriclabError, exported with the rest."""
     import fabriclab
-    from fabriclab import peers, testbed, unidirectional
+    from fabriclab import unidirectional
+    from fabriclab.tools import peers, testbed
     errors = [getattr(fabriclab, name) for name in fabriclab.__all__ if name.endswith(("Error", "Lost", "Timeout",
                                                                                         "Closed", "Descriptor",
                                                                                         "Range", "Rejected"))]

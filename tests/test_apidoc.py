@@ -8,7 +8,8 @@ import sys
 import pytest
 
 import fabriclab
-from fabriclab import Engine, apidoc, bootstrap, engine
+from fabriclab import Engine, bootstrap, engine
+from fabriclab.tools import apidoc
 
 
 def public_names():
@@ -27,7 +28,7 @@ def public_names():
     return names
 
 
-@pytest.mark.parametrize("command", [["-m", "fabriclab.apidoc"], ["-m", "fabriclab", "apidoc"]],
+@pytest.mark.parametrize("command", [["-m", "fabriclab.tools.apidoc"], ["-m", "fabriclab", "apidoc"]],
                          ids=["module", "cli"])
 def test_reference_builds_and_names_every_public_object(tmp_path, command):
     out = tmp_path / "API.md"

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from fabriclab import batched, fi, gpu, memory, multi_nic, rdma_write, threaded
-from fabriclab.peers import start_server
+from fabriclab.tools.peers import start_server
 from conftest import open_fds, provider_args
 
 
@@ -51,8 +51,7 @@ CASES = [  # stage class, options, total bytes, page size
 @pytest.mark.parametrize("cls, options, total, page", CASES, ids=[f"{c[0].stage}-{i}" for i, c in enumerate(CASES)])
 def test_every_page_lands_exactly_once(target, cls, options, total, page):
     fabric, server = target
-    writer = writer_for(fabric, server, cls, **options)
-    try:
+    with writer_for(fabric, server, cls, **options) as writer:
         plan, stats, report = transfer_once(writer, total, page)
         assert stats.writes == plan.pages and stats.bytes == total
         assert report.arrivals == plan.pages == report.distinct_pages
@@ -64,23 +63,16 @@ def test_every_page_lands_exactly_once(target, cls, options, total, page):
         assert all(n["writes"] > 0 for n in per_nic)  # the work really was spread over every NIC
         if fabric[0] == "shm" and options["nics"] > 1:
             assert stats.emulated_nics == options["nics"] - 1
-    finally:
-        writer.close()
-        writer.stack.close()
 
 
 def test_warm_up_writes_one_page_per_nic_before_timing(target):
     fabric, server = target
-    writer = writer_for(fabric, server, nics=3, threads=1, warmup=True)
-    try:
+    with writer_for(fabric, server, nics=3, threads=1, warmup=True) as writer:
         plan, stats, report = transfer_once(writer, 64 * 4096, 4096)
         assert stats.writes == plan.pages
         # the warm-up writes complete (one per NIC) but are numbered past the run, so the target skips them
         assert sum(n["completions"] for n in stats.per_nic) == plan.pages + 3
         assert report.arrivals == plan.pages and report.duplicates == 0 and report.verified is True
-    finally:
-        writer.close()
-        writer.stack.close()
 
 
 def test_fi_more_runs_always_end_without_fi_more(target):
@@ -88,31 +80,25 @@ def test_fi_more_runs_always_end_without_fi_more(target):
     still finish (a run left open under FI_MORE would stall) and land byte-exact."""
     fabric, server = target
     for in_flight, batch in ((3, 16), (1, 4), (7, 5)):
-        writer = writer_for(fabric, server, nics=2, threads=1, warmup=False, fi_more=True, batch=batch,
-                            in_flight=in_flight)
-        try:
+        with writer_for(fabric, server, nics=2, threads=1, warmup=False, fi_more=True, batch=batch,
+                            in_flight=in_flight) as writer:
             plan, stats, report = transfer_once(writer, 300 * 4096 + 17, 4096)
             assert report.verified is True and report.arrivals == plan.pages
-        finally:
-            writer.close()
-            writer.stack.close()
 
 
 def test_target_killed_mid_transfer(fabric):
     gc.collect()
     fds = open_fds()
     with start_server("fabriclab.multi_nic", *provider_args(*fabric)) as server:
-        writer = writer_for(fabric, server, nics=2, threads=1, in_flight=8)
-        writer.timeout = 2.0
-        writer.prepare(rdma_write.PagePlan.for_total(65536, 64 << 30, buffer_bytes=1 << 20))
-        threading.Timer(0.5, server.kill).start()
-        start = time.monotonic()
-        with pytest.raises(fi.FabricError) as err:
-            writer.transfer()
-        assert time.monotonic() - start < 20
-        assert "engine" in str(err.value)
-        writer.release()
-        writer.stack.close()
+        with writer_for(fabric, server, nics=2, threads=1, in_flight=8) as writer:
+            writer.timeout = 2.0
+            writer.prepare(rdma_write.PagePlan.for_total(65536, 64 << 30, buffer_bytes=1 << 20))
+            threading.Timer(0.5, server.kill).start()
+            start = time.monotonic()
+            with pytest.raises(fi.FabricError) as err:
+                writer.transfer()
+            assert time.monotonic() - start < 20
+            assert "engine" in str(err.value)
     gc.collect()
     assert open_fds() <= fds + 2
     assert threading.active_count() <= 2  # the engine's threads were joined
@@ -120,8 +106,7 @@ def test_target_killed_mid_transfer(fabric):
 
 def test_keyboard_interrupt_stops_the_engine_and_python_goes_on(target):
     fabric, server = target
-    writer = writer_for(fabric, server, nics=2, threads=1)
-    try:
+    with writer_for(fabric, server, nics=2, threads=1) as writer:
         writer.prepare(rdma_write.PagePlan.for_total(65536, 1 << 40, buffer_bytes=1 << 20))
         # Ctrl-C as an interactive session has it: a test run started in the background (a CI runner,
         # `make test &`) inherits SIGINT ignored, and would never see the KeyboardInterrupt
@@ -135,9 +120,6 @@ def test_keyboard_interrupt_stops_the_engine_and_python_goes_on(target):
         writer.release()
         plan, stats, report = transfer_once(writer, 1 << 20, 65536)  # the same writer still works
         assert report.verified is True
-    finally:
-        writer.close()
-        writer.stack.close()
 
 
 @pytest.mark.parametrize("options, message", [
@@ -155,21 +137,17 @@ def test_bad_arguments(target, options, message):
 
 def test_more_groups_than_nics_is_refused(target):
     fabric, server = target
-    writer = writer_for(fabric, server, nics=1, threads=2, pin=False)
-    try:
+    with writer_for(fabric, server, nics=1, threads=2, pin=False) as writer:
         with pytest.raises(fi.UsageError, match="2 GPU groups need at least as many NICs"):
             writer.prepare(rdma_write.PagePlan.for_total(4096, 1 << 20))
-    finally:
-        writer.close()
-        writer.stack.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(gpu.cuda_status() != "ok", reason=f"needs CUDA: {gpu.cuda_status()}")
 def test_engine_writes_gpu_memory_into_gpu_memory():
     with start_server("fabriclab.multi_nic", "--provider", "shm", "--memory", "cuda") as server:
-        with memory.open_endpoint("shm", None, "cuda") as stack:
-            writer = batched.BatchedWriter(stack, server.address_hex, 10, nics=4, threads=2, warmup=False)
+        with memory.open_endpoint("shm", None, "cuda") as stack, \
+                batched.BatchedWriter(stack, server.address_hex, 10, nics=4, threads=2, warmup=False) as writer:
             plan = rdma_write.PagePlan.for_total(65536, 16 << 20)
             paths = writer.prepare(plan, "cuda")
             print(f"engine GPU paths: {paths}")
@@ -177,5 +155,3 @@ def test_engine_writes_gpu_memory_into_gpu_memory():
             writer.transfer()
             report = writer.finish()
             assert report.verified is True and report.arrivals == plan.pages, report
-            writer.release()
-            writer.close()

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from fabriclab import bench, fi, gpu, memory, opqueue, rdma_write
-from fabriclab.peers import start_server
+from fabriclab import fi, gpu, memory, opqueue, rdma_write
+from fabriclab.tools import bench
+from fabriclab.tools.peers import start_server
 from conftest import open_fds, provider_args
 
 # total bytes, page size: 1 byte, whole pages, and totals that are not a multiple of the page
@@ -25,8 +26,7 @@ def target(fabric):
 @pytest.mark.parametrize("writer_class", [rdma_write.Writer, opqueue.QueuedWriter])
 def test_every_page_lands_exactly_once(target, writer_class):
     fabric, server = target
-    with memory.open_endpoint(*fabric, "host") as stack:
-        writer = writer_class(stack, server.address_hex, timeout=5)
+    with memory.open_endpoint(*fabric, "host") as stack, writer_class(stack, server.address_hex, timeout=5) as writer:
         for total, page in TRANSFERS:
             plan = rdma_write.PagePlan.for_total(page, total)
             paths = writer.prepare(plan, "host", seed=total)
@@ -38,8 +38,8 @@ def test_every_page_lands_exactly_once(target, writer_class):
             assert report.distinct_pages == plan.pages
             assert report.min_per_page == report.max_per_page == 1
             assert report.verified is True, report.mismatched_pages
-        writer.release()
-        writer.close()
+    # the with-block closed the writer (goodbye, source and registration given back) and its stack
+    assert stack.closed and writer.registration is None and writer.source is None
 
 
 def test_repeated_pages_are_counted_per_page(target):
@@ -87,22 +87,20 @@ def test_target_killed_mid_transfer(fabric):
     gc.collect()
     before = open_fds()
     with start_server("fabriclab.rdma_write", *provider_args(*fabric)) as server:
-        stack = memory.open_endpoint(*fabric, "host")
-        writer = opqueue.QueuedWriter(stack, server.address_hex, timeout=2.0, in_flight=16)
-        writer.prepare(rdma_write.PagePlan.for_total(4096, 64 << 20, buffer_bytes=1 << 20))
+        with memory.open_endpoint(*fabric, "host") as stack, \
+                opqueue.QueuedWriter(stack, server.address_hex, timeout=2.0, in_flight=16) as writer:
+            writer.prepare(rdma_write.PagePlan.for_total(4096, 64 << 20, buffer_bytes=1 << 20))
 
-        def kill_once(completed):
-            if server.running:
-                server.kill()
+            def kill_once(completed):
+                if server.running:
+                    server.kill()
 
-        writer.on_progress = kill_once
-        start = time.monotonic()
-        with pytest.raises(fi.FabricError):
-            writer.transfer()
-            writer.finish()
-        assert time.monotonic() - start < 15
-        writer.release()
-        stack.close()
+            writer.on_progress = kill_once
+            start = time.monotonic()
+            with pytest.raises(fi.FabricError):
+                writer.transfer()
+                writer.finish()
+            assert time.monotonic() - start < 15
     gc.collect()
     assert open_fds() <= before + 2
 
@@ -152,8 +150,8 @@ def test_cuda_memory_without_cuda_is_a_clear_error():
 def test_write_into_remote_gpu_memory(provider, domain):
     with start_server("fabriclab.rdma_write", "--provider", provider, *(["--domain", domain] if domain else []),
                       "--memory", "cuda") as server:
-        with memory.open_endpoint(provider, domain, "cuda") as stack:
-            writer = opqueue.QueuedWriter(stack, server.address_hex, timeout=10, in_flight=16)
+        with memory.open_endpoint(provider, domain, "cuda") as stack, \
+                opqueue.QueuedWriter(stack, server.address_hex, timeout=10, in_flight=16) as writer:
             plan = rdma_write.PagePlan.for_total(65536, 8 << 20)
             paths = writer.prepare(plan, "cuda")
             assert paths["local"] in ("cuda-direct", "cuda-staged")
@@ -162,5 +160,3 @@ def test_write_into_remote_gpu_memory(provider, domain):
             writer.transfer()
             report = writer.finish()
             assert report.verified is True and report.arrivals == plan.pages
-            writer.release()
-            writer.close()

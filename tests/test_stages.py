@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fabriclab import bidirectional, fi, unidirectional
-from fabriclab.peers import ServerExited, start_server
+from fabriclab.tools.peers import ServerExited, start_server
 from conftest import open_fds, provider_args
 
 SIZES = [1, 4096, 65536 + 3, 1 << 20, 16 << 20]

@@ -1,4 +1,4 @@
-"""The namespace testbed (fabriclab.testbed): two namespaces joined by shaped veth links, stages 4 to 7
+"""The namespace testbed (fabriclab.tools.testbed): two namespaces joined by shaped veth links, stages 4 to 7
 across one link, link failure, random loss, and cleanup. Needs root and iproute2; skipped otherwise with
 the reason. Traffic only ever flows between the test's own namespaces."""
 import ipaddress
@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from fabriclab import fi, testbed
+from fabriclab import fi
+from fabriclab.tools import testbed
 from fabriclab.__main__ import main as fabriclab_main
-from fabriclab.testbed import ContainmentError, Testbed, TestbedError
+from fabriclab.tools.testbed import ContainmentError, Testbed, TestbedError
 
 PREFIX = "fabriclab-test"  # never the user's "fabriclab"
 OTHER = "fabriclab-test2"

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 import fabriclab
-from fabriclab import bootstrap, fi, testbed
-from fabriclab.testbed import Testbed
+from fabriclab import bootstrap, fi
+from fabriclab.tools import testbed
+from fabriclab.tools.testbed import Testbed
 
 PREFIX = "fabriclab-tengine"  # neither the user's "fabriclab" nor tests/test_testbed.py's
 LINKS = 4

@@ -10,7 +10,7 @@ import pytest
 
 from fabriclab import multi_nic, unidirectional
 from fabriclab.__main__ import build_parser
-from fabriclab.peers import start_server
+from fabriclab.tools.peers import start_server
 from conftest import provider_args
 
 ADDRESS = "00"  # never parsed: argparse refuses the options first

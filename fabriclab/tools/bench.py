@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import batched, cli, fi, memory, multi_nic, opqueue, rdma_write, threaded
+from .. import batched, cli, fi, memory, multi_nic, opqueue, rdma_write, threaded
 from .peers import ServerProcess
 
 #: stage name → its writer class
@@ -340,8 +340,8 @@ def api_target() -> None:
     """The far side of ``--api``: an Engine with one buffer; swaps (address, descriptor) over the
     bootstrap socket, then serves until its standard input closes. Arguments: provider domains nics
     threads bytes (``-`` for none)."""
-    from . import bootstrap
-    from .engine import Engine
+    from .. import bootstrap
+    from ..engine import Engine
     provider, domains, nics, threads, size = sys.argv[1:6]
     # unpinned, like the stage-15 target: two engines pinned on one host would share the same cores
     with Engine(provider, domains=None if domains == "-" else domains, nics=None if nics == "-" else int(nics),
@@ -392,10 +392,10 @@ def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outs
     the raw runs); returns Gbps, the Python µs per call for each size in ``calls``, and the calling
     thread's cores."""
     import subprocess
-    from . import bootstrap
-    from .engine import Engine
+    from .. import bootstrap
+    from ..engine import Engine
     plan = rdma_write.PagePlan.for_total(config.page_size, config.total)
-    target = subprocess.Popen([sys.executable, "-c", "from fabriclab.bench import api_target; api_target()", provider,
+    target = subprocess.Popen([sys.executable, "-c", "from fabriclab.tools.bench import api_target; api_target()", provider,
                                config.domain or "-", str(config.nics or "-"), str(config.threads),
                                str(plan.buffer_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -1,6 +1,6 @@
 """The API reference of ``fabriclab.Engine`` and ``fabriclab.bootstrap``, rendered from the docstrings.
 
-    python -m fabriclab.apidoc build/API.md      # or: python -m fabriclab apidoc build/API.md
+    python -m fabriclab.tools.apidoc build/API.md      # or: python -m fabriclab apidoc build/API.md
 
 What is documented: the module docstring of ``fabriclab.engine``; every name of ``fabriclab.__all__``
 (the engine, its regions, peers, transfers, results and errors) with its signature, docstring, bases,
@@ -298,7 +298,7 @@ def build() -> tuple[str, list[str], list[str]]:
     import fabriclab
     ref = Reference()
     ref.lines += ["# fabriclab API reference", "",
-                  f"fabriclab {fabriclab.__version__}. Generated from the docstrings by `python -m fabriclab.apidoc` "
+                  f"fabriclab {fabriclab.__version__}. Generated from the docstrings by `python -m fabriclab.tools.apidoc` "
                   "(do not edit by hand). `from fabriclab import Engine, ...` gives every name of "
                   "`fabriclab.engine` below.", ""]
     modules = [importlib.import_module(name) for name in MODULES]
@@ -344,6 +344,6 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m fabriclab.apidoc", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fabriclab.tools.apidoc", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     sys.exit(main(parser.parse_args()))

@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 
-from .fi import Address, FabriclabError
+from ..fi import Address, FabriclabError
 
 _live: "weakref.WeakSet[ServerProcess]" = weakref.WeakSet()
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import fi
+from .. import fi
 
 # Providers that run over IP: a lesson pins them to the loopback interface.
 IP_PROVIDERS = ("tcp", "sockets", "udp", "net")

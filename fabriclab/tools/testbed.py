@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import fi
+from .. import fi
 
 PROVIDER = "tcp;ofi_rxm"
 DEFAULT_PREFIX = "fabriclab"
