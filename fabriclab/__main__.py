@@ -92,6 +92,9 @@ COMMANDS = {
              "fabriclab.course.tour", "main", "add_arguments"),
     "testbed": ("two network namespaces joined by N shaped veth links, a small p5: up, down, status, link-down, "
                 "link-up", "fabriclab.tools.testbed", "cli_main", "add_arguments"),
+    "doctor": ("check this machine for the course and the library (a p5 first of all): provider, fabric, NICs, "
+               "immediate data, GPU memory path, same-host path, GPU <-> NIC groups, cores; a verdict and a fix "
+               "per item", "fabriclab.tools.doctor", "main", "add_arguments"),
     "clean": ("remove the shared-memory regions (/dev/shm) that killed processes left behind; --dry-run lists "
               "them", "fabriclab.shmclean", "main", "add_arguments"),
     "topo": ("GPU <-> NIC <-> NUMA <-> CPU layout and the proposed NIC groups and cores (or a recorded one: "

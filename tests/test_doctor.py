@@ -1,0 +1,75 @@
+"""`python -m fabriclab doctor`: every item with a verdict, on this box and on the recorded p5."""
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from fabriclab.tools import doctor
+
+
+def run_doctor(*args):
+    return subprocess.run([sys.executable, "-m", "fabriclab", "doctor", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_this_box_is_reported_plainly():
+    done = run_doctor("--json", "--provider", "shm")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    checks = {c["item"]: c for c in report["checks"]}
+    assert list(checks) == ["libfabric", "provider", "fabric", "NICs", "immediate data", "queue depths", "GPU memory",
+                            "same-host peers", "GPU <-> NIC groups", "cores to pin"]
+    assert all(c["verdict"] in (doctor.OK, doctor.SLOW, doctor.FAIL) for c in checks.values())
+    assert checks["provider"]["verdict"] == doctor.SLOW and "EFA" in checks["provider"]["fix"]  # software provider
+    assert "emulated" in checks["NICs"]["found"]  # shm has one domain
+    assert checks["immediate data"]["verdict"] == doctor.OK
+    assert report["verdict"].startswith("verdict: slow")
+
+
+def test_the_text_report_names_each_fix():
+    done = run_doctor("--provider", "tcp;ofi_rxm")
+    assert done.returncode == 0, done.stderr
+    assert "fix: a software provider" in done.stdout and "lo" in done.stdout
+    assert done.stdout.strip().splitlines()[-1].startswith("verdict: ")
+
+
+def test_the_recorded_p5_groups_four_close_nics_per_gpu():
+    done = run_doctor("--recorded", "p5.48xlarge", "--json")
+    assert done.returncode == 0, done.stderr
+    checks = {c["item"]: c for c in json.loads(done.stdout)["checks"]}
+    assert "32 efa NIC(s) of 100 Gbps = 3200 Gbps" in checks["NICs"]["found"]
+    groups = checks["GPU <-> NIC groups"]
+    assert groups["verdict"] == doctor.OK and groups["found"].count("-> 4 NIC(s) (PIX)") == 8
+    assert checks["cores to pin"]["found"].count("cuda:") == 8
+
+
+@pytest.mark.parametrize("args, message", [(["--provider", "nosuch"], "unknown or unusable provider 'nosuch'"),
+                                           (["--recorded", "nosuch"], "nosuch")])
+def test_bad_input_is_one_line(args, message):
+    done = run_doctor(*args)
+    assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_efa_same_host_peers_take_shared_memory_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(doctor.EFA_SHM_SWITCH, raising=False)
+    check = doctor.check_same_host_path("efa")
+    assert check.verdict == doctor.SLOW and f"{doctor.EFA_SHM_SWITCH}=0" in check.fix
+    monkeypatch.setenv(doctor.EFA_SHM_SWITCH, "0")
+    assert doctor.check_same_host_path("efa").verdict == doctor.OK
+
+
+def test_too_small_immediate_data_or_queues_are_called_out():
+    # what fi_getinfo reports, as plain numbers (an efa-direct entry of some releases: cq_data_size 0)
+    entry = types.SimpleNamespace(cq_data_size=0, tx_size=16, rx_size=16)
+    assert doctor.check_immediate_data(entry).verdict == doctor.FAIL
+    assert doctor.check_queue_depths(entry).verdict == doctor.SLOW
+    assert doctor.verdict_line([doctor.check_immediate_data(entry)]).startswith("verdict: will fail")
+
+
+def test_efa_direct_first_is_called_out():
+    entries = [types.SimpleNamespace(fabric="efa-direct"), types.SimpleNamespace(fabric="efa")]
+    check = doctor.check_fabric(entries)
+    assert check.verdict == doctor.SLOW and "also offered: efa" in check.found
+    assert doctor.check_fabric(entries[::-1]).verdict == doctor.OK
