@@ -703,6 +703,9 @@ class CompletionQueue(Resource):
             self._backlog.extend(self.poll())
 
     def _raise_error_entry(self):
+        # A provider may hand back error data of its own (efa does): with err_data_size 0 it gives its own
+        # buffer; a stale size and pointer left from the last entry would have it write through them.
+        self._err.err_data, self._err.err_data_size = ffi.NULL, 0
         rc = lib.fi_cq_readerr(self._ptr, self._err, 0)
         if rc < 0:
             raise FabricError("fi_cq_readerr", rc)
