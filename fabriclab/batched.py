@@ -40,6 +40,7 @@ class BatchedWriter(ThreadedWriter):
 
     @classmethod
     def options_from_args(cls, args) -> dict:
+        """Chapters 11-13's options plus this stage's own."""
         return {**super().options_from_args(args), "batch": args.batch, "lazy": args.lazy, "fi_more": args.fi_more}
 
     def switches(self) -> dict:
@@ -47,14 +48,21 @@ class BatchedWriter(ThreadedWriter):
 
 
 def add_batch_options(parser) -> None:
+    """Chapters 11-13's options plus posting's (chapters 14-15): every stage's, as the final stage takes all."""
     threaded.add_thread_options(parser)
-    parser.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="writes enqueued per pass (default 16)")
-    parser.add_argument("--no-lazy", dest="lazy", action="store_false", help="chapter 14: post on every enqueue")
-    parser.add_argument("--fi-more", action="store_true", help="FI_MORE on all but the last write of each run")
+    options = parser.add_argument_group("posting (chapters 14-15)")
+    options.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+                         help="writes enqueued per pass (default %(default)s)")
+    options.add_argument("--no-lazy", dest="lazy", action="store_false", help="chapter 14: post on every enqueue")
+    options.add_argument("--fi-more", action="store_true", help="FI_MORE on all but the last write of each run")
+
+
+def build_parser():
+    return multi_nic.build_parser(add_batch_options, __doc__)
 
 
 def main(argv=None) -> int:
-    return multi_nic.main(argv, BatchedWriter, add_batch_options)
+    return multi_nic.main(argv, BatchedWriter, build_parser())
 
 
 if __name__ == "__main__":

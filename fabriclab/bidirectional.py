@@ -235,7 +235,7 @@ def connect(args) -> int:
 
 
 def build_parser():
-    parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[1])
+    parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[0])
     serve_p.add_argument("--max-message", type=cli.positive_size, default=1 << 20,
                          help="largest request payload in bytes (default 1M)")
     serve_p.add_argument("--slots", type=int, default=DEFAULT_SLOTS, help="receives kept posted (default 8)")

@@ -3,7 +3,9 @@ printed as one line (no traceback) with a non-zero exit status."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -63,6 +65,41 @@ def parse_size(text: str | int) -> int:
         return int(float(number) * scale)
     except ValueError:
         raise ValueError(f"{text!r} is not a size (examples: 4096, 64K, 1M, 2G)") from None
+
+
+def format_size(n: int) -> str:
+    """A byte count as sizes are written: 4 KiB, 64 KiB, 1 MiB, 2 GiB; in bytes unless a whole number of KiB."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+_RATE = re.compile(r"((?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([kmgt]?)(?:bit/s|bit|bps)?")
+_RATE_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(rate: str | float) -> float:
+    """Bits per second from a number (1e9) or text in either notation: 3.2G, 800M, 3.2Gbps, or tc's 100mbit,
+    1gbit, 500kbit. Prefixes are decimal and "bps" is bits per second, as in link speeds (tc reads "bps"
+    as bytes). 0 is accepted: callers say what no rate means."""
+    if isinstance(rate, str):
+        match = _RATE.fullmatch(rate.strip().lower())
+        value = float(match[1]) * _RATE_PREFIXES[match[2]] if match else math.nan
+    else:
+        value = float(rate)
+    if not (math.isfinite(value) and value >= 0):
+        raise fi.UsageError(f"{rate!r} is not a rate in bits per second (examples: 3.2G, 800M, 1e9, 3.2Gbps, "
+                            "100mbit, 1gbit, 500kbit)")
+    return value
+
+
+def bits_per_second(text: str) -> float:
+    """argparse type for rates (--line-rate): parse_rate's notations."""
+    try:
+        return parse_rate(text)
+    except fi.UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class StopSignal:

@@ -15,6 +15,7 @@ Where the machine has fewer NICs (domains) than asked for, several endpoints sha
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import threading
@@ -23,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import bidirectional, cli, fi, memory, rdma_write
+from . import bidirectional, cli, fi, memory, opqueue, rdma_write
 from ._fabric import ffi, lib
 from .rdma_write import PagePlan, Report, Writer, WriteStats
 
@@ -416,8 +417,10 @@ class MultiNicWriter(Writer):
 
     @classmethod
     def options_from_args(cls, args) -> dict:
-        """Constructor options from this stage's command-line switches (see add_engine_options)."""
-        return {"groups": args.groups, "warmup": args.warmup, "link_timeout": args.link_timeout}
+        """Constructor options from the command line (see add_engine_options) or a bench config: chapter 7's
+        pages in flight (here per NIC), the domains, and this stage's own."""
+        return {**opqueue.QueuedWriter.options_from_args(args), "domains": args.domain, "nics": args.nics,
+                "groups": args.groups, "warmup": args.warmup, "link_timeout": args.link_timeout}
 
     # -- the chapter switches: later stages extend this
     def switches(self) -> dict:
@@ -527,16 +530,24 @@ def serve(args, stop: cli.StopSignal) -> int:
 
 
 def writer_from_args(cls, stack, args) -> MultiNicWriter:
-    return cls(stack, args.address, args.timeout, nics=args.nics, domains=args.domain, **cls.options_from_args(args))
+    return cls(stack, args.address, args.timeout, **cls.options_from_args(args))
 
 
 def add_engine_options(parser) -> None:
-    parser.add_argument("--nics", type=int, default=None, help="NIC slots (default: every domain; more = emulated)")
-    parser.add_argument("--groups", type=int, default=1, help="GPU groups the NICs are split into (default 1)")
-    parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="chapter 9: no warm-up writes")
-    parser.add_argument("--link-timeout", type=cli.seconds_or_off, default=None,
-                        help="seconds without a completion before a NIC's link is declared down and its writes "
-                             "re-sent over the others (default: a third of --timeout; 0: never)")
+    """Chapter 7's options plus the NIC set's, the warm-up and failover."""
+    opqueue.add_queue_options(parser)
+    options = parser.add_argument_group("NICs and warm-up (chapters 9-10 on)")
+    options.add_argument("--nics", type=int, default=None, help="NIC slots (default: every domain; more = emulated)")
+    options.add_argument("--groups", type=int, default=1,
+                         help="GPU groups the NICs are split into, all walked by one thread (default %(default)s; "
+                              "from chapter 11 on --threads sets them, a thread each)")
+    # One write per NIC is what the C engine's warm-up does (fl_config.warmup is a switch), hence no count.
+    options.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                         help="chapter 10, on by default: one untimed write through each NIC before the clock "
+                              "starts (--no-warmup: chapter 9)")
+    options.add_argument("--link-timeout", type=cli.seconds_or_off, default=None,
+                         help="seconds without a completion before a NIC's link is declared down and its writes "
+                              "re-sent over the group's other NICs (default: a third of --timeout; 0: never)")
 
 
 def connect_with(cls, args) -> int:
@@ -546,17 +557,13 @@ def connect_with(cls, args) -> int:
     return 0 if report.verified else 1
 
 
-def build_parser(add_options=add_engine_options):
-    parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[1])
-    serve_p.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host",
-                         help="ask for FI_HMEM when cuda memory will be written here")
-    rdma_write.add_transfer_options(connect_p, total_default="256M")
-    add_options(connect_p)
-    return parser
+def build_parser(add_options=add_engine_options, module_doc=__doc__):
+    return rdma_write.writer_parser(module_doc, add_options)
 
 
-def main(argv=None, cls=MultiNicWriter, add_options=add_engine_options) -> int:
-    return cli.stage_main(build_parser(add_options), serve, lambda args: connect_with(cls, args), argv)
+def main(argv=None, cls=MultiNicWriter, parser=None) -> int:
+    """This stage's command line; the later stages' too, with their writer class and parser."""
+    return cli.stage_main(parser or build_parser(), serve, lambda args: connect_with(cls, args), argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import collections
 import time
 from typing import Callable
 
-from . import cli, fi, memory, rdma_write
+from . import cli, fi, rdma_write
 from .rdma_write import Writer
 
 DEFAULT_IN_FLIGHT = 64
@@ -68,6 +68,11 @@ class QueuedWriter(Writer):
         super().__init__(stack, server_address, timeout)
         self.queue = OperationQueue(stack.cq, in_flight, self.mailbox._on_completion)
 
+    @classmethod
+    def options_from_args(cls, args) -> dict:
+        """Constructor options from the command line (see add_queue_options) or a bench config."""
+        return {**super().options_from_args(args), "in_flight": args.in_flight}
+
     @property
     def in_flight(self) -> int:
         return self.queue.depth
@@ -107,19 +112,25 @@ class QueuedWriter(Writer):
 
 def connect(args) -> int:
     paths, stats, report, _ = rdma_write.run_writer(
-        lambda stack: QueuedWriter(stack, args.address, args.timeout, args.in_flight), args)
+        lambda stack: QueuedWriter(stack, args.address, args.timeout, **QueuedWriter.options_from_args(args)), args)
     print(f"{stats.writes} writes, {stats.bytes} bytes in {stats.elapsed_s:.3f} s = {stats.gbps:.2f} Gbps "
           f"({args.in_flight} in flight, {stats.eagain} EAGAIN); memory {paths['local']} -> {paths['remote_path']}; "
           f"landed {report.arrivals}, verified {report.verified}")
     return 0 if report.verified else 1
 
 
+def add_queue_options(parser) -> None:
+    """Chapter 6's options plus the queue's depth."""
+    rdma_write.add_transfer_options(parser)
+    options = parser.add_argument_group("operation queue (chapter 7 on)")
+    options.add_argument("--in-flight", type=int, default=DEFAULT_IN_FLIGHT,
+                         help="writes in flight (per NIC from chapter 9 on; default %(default)s)")
+    # Writes in flight move bytes far faster than chapter 6's one at a time: the default run is longer.
+    parser.set_defaults(total="256M")
+
+
 def build_parser():
-    parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[1])
-    serve_p.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host")
-    rdma_write.add_transfer_options(connect_p, total_default="256M")
-    connect_p.add_argument("--in-flight", type=int, default=DEFAULT_IN_FLIGHT, help="writes in flight (default 64)")
-    return parser
+    return rdma_write.writer_parser(__doc__, add_queue_options)
 
 
 def main(argv=None) -> int:

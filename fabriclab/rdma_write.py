@@ -269,6 +269,12 @@ class Writer(Client):
         self._staged = -1  # the write whose page was last copied out of GPU memory
         self.on_progress = None  # called with the number of completed writes, now and then
 
+    @classmethod
+    def options_from_args(cls, args) -> dict:
+        """Constructor options from the command line (or a bench config): chapter 6's writer has none; its
+        transfer options go to ``prepare``. Each later stage adds its own."""
+        return {}
+
     def _write_completed(self, c: fi.Completion) -> None:
         self.completed += 1
 
@@ -397,19 +403,27 @@ def connect(args) -> int:
     return 0 if report.verified else 1
 
 
-def add_transfer_options(parser, total_default="16M") -> None:
-    parser.add_argument("--page-size", type=cli.positive_size, default=64 << 10, help="bytes per write (default 64K)")
-    parser.add_argument("--total", type=cli.positive_size, default=cli.parse_size(total_default),
-                        help=f"bytes to move (default {total_default})")
-    parser.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host", help="host or cuda (GPU) memory")
+def add_transfer_options(parser) -> None:
+    """Chapter 6's writer options: how much to write, in what pages, from what memory."""
+    options = parser.add_argument_group("transfer (chapter 6 on)")
+    options.add_argument("--page-size", type=cli.positive_size, default="64K",
+                         help="bytes per write (default %(default)s)")
+    options.add_argument("--total", type=cli.positive_size, default="16M", help="bytes to move (default %(default)s)")
+    options.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host", help="host or cuda (GPU) memory")
+
+
+def writer_parser(module_doc: str, add_writer_options=add_transfer_options):
+    """The ``serve`` / ``connect ADDRESS`` command line of a writing stage: the target's memory kind on
+    serve, the writer's options (this stage's and every earlier one's) on connect."""
+    parser, serve_p, connect_p = cli.stage_parser(module_doc.splitlines()[0])
+    serve_p.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host",
+                         help="ask for FI_HMEM when cuda memory will be written here")
+    add_writer_options(connect_p)
+    return parser
 
 
 def build_parser():
-    parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[1])
-    serve_p.add_argument("--memory", choices=memory.MEMORY_KINDS, default="host",
-                         help="ask for FI_HMEM when cuda memory will be written here")
-    add_transfer_options(connect_p)
-    return parser
+    return writer_parser(__doc__)
 
 
 def main(argv=None) -> int:

@@ -34,6 +34,10 @@ class ThreadedWriter(MultiNicWriter):
 
     @classmethod
     def options_from_args(cls, args) -> dict:
+        """Chapters 9-10's options with --threads as the number of GPU groups, plus this stage's own."""
+        if args.groups not in (1, args.threads):  # 1: --groups' default, i.e. not given
+            raise fi.UsageError(f"--groups {args.groups} with --threads {args.threads}: from chapter 11 on every "
+                                "GPU group has a thread of its own, so --threads sets the groups; drop --groups")
         return {**super().options_from_args(args), "groups": args.threads, "threads": args.threads,
                 "pin": args.pin, "shard": args.shard, "pad": args.pad}
 
@@ -43,17 +47,24 @@ class ThreadedWriter(MultiNicWriter):
 
 
 def add_thread_options(parser) -> None:
+    """Chapters 9-10's options plus the worker threads' (chapters 11-13)."""
     multi_nic.add_engine_options(parser)
-    parser.add_argument("--threads", type=int, default=1, help="worker threads, one per GPU group (default 1)")
-    parser.add_argument("--no-pin", dest="pin", action="store_false", help="chapter 11: let the OS place threads")
-    parser.add_argument("--no-shard", dest="shard", action="store_false",
-                        help="chapters 11-12: shared atomic counters")
-    parser.add_argument("--no-pad", dest="pad", action="store_false",
-                        help="chapter 13 as the article: per-thread counters packed into one cache line")
+    options = parser.add_argument_group("threads (chapters 11-13 on)")
+    options.add_argument("--threads", type=int, default=1,
+                         help="worker threads, one per GPU group (default %(default)s)")
+    options.add_argument("--no-pin", dest="pin", action="store_false", help="chapter 11: let the OS place threads")
+    options.add_argument("--no-shard", dest="shard", action="store_false",
+                         help="chapters 11-12: shared atomic counters")
+    options.add_argument("--no-pad", dest="pad", action="store_false",
+                         help="chapter 13 as the article: per-thread counters packed into one cache line")
+
+
+def build_parser():
+    return multi_nic.build_parser(add_thread_options, __doc__)
 
 
 def main(argv=None) -> int:
-    return multi_nic.main(argv, ThreadedWriter, add_thread_options)
+    return multi_nic.main(argv, ThreadedWriter, build_parser())
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ def connect(args) -> int:
 
 
 def build_parser():
-    parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[1])
+    parser, serve_p, connect_p = cli.stage_parser(__doc__.splitlines()[0])
     serve_p.add_argument("--max-message", type=cli.positive_size, default=DEFAULT_MAX_MESSAGE,
                          help="receive buffer size in bytes (default 16M)")
     what = connect_p.add_mutually_exclusive_group()

@@ -1,5 +1,7 @@
 """Chapters 6-7 and the bench harness: one-sided writes land exactly once, byte-exact; bad input is
 refused before any post; a dead target is an error within the timeout."""
+import argparse
+import dataclasses
 import gc
 import json
 import subprocess
@@ -8,7 +10,7 @@ import time
 
 import pytest
 
-from fabriclab import fi, gpu, memory, opqueue, rdma_write
+from fabriclab import batched, fi, gpu, memory, multi_nic, opqueue, rdma_write, threaded
 from fabriclab.tools import bench
 from fabriclab.tools.peers import start_server
 from conftest import open_fds, provider_args
@@ -120,14 +122,86 @@ def test_bench_json_has_the_promised_keys(fabric):
 
 
 def test_bench_sweep_reuses_one_target():
-    results = bench.sweep([4096, 65536], [1, 16], total=1 << 20, warmup=0)
+    results = bench.sweep([4096, 65536], [1, 16], total=1 << 20, warmup=False)
     assert [(r.page_size, r.in_flight) for r in results] == [(4096, 1), (4096, 16), (65536, 1), (65536, 16)]
     assert all(r.verified for r in results)
+
+
+def test_bench_sweep_from_the_command_line():
+    if "shm" not in fi.available_providers():
+        pytest.skip("provider shm is not available here")
+    result = subprocess.run([sys.executable, "-m", "fabriclab", "bench", "--sweep", "4K,64K", "--total", "1M",
+                             "--stage", "opqueue", "--provider", "shm", "--json"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(r["page_size"], r["total_bytes"], r["stage"]) for r in rows] == [(4096, 1 << 20, "opqueue"),
+                                                                                (65536, 1 << 20, "opqueue")]
+    assert all(r["verified"] is True for r in rows)
+    lines = result.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("opqueue ")]
+    assert sum(line.startswith("stage ") for line in lines) == 1 and len(rows) == 2  # one table, a row per size
+    assert " 4 KiB " in rows[0] and " 64 KiB " in rows[1]
+
+
+def stage_options(parser: argparse.ArgumentParser) -> dict[str, tuple[str, object]]:
+    """--option -> (dest, default) for every option of a parser, its help aside."""
+    return {option: (action.dest, action.default) for action in parser._actions
+            for option in action.option_strings if action.dest != "help"}
+
+
+def connect_parser(stage) -> argparse.ArgumentParser:
+    subparsers = next(a for a in stage.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices["connect"]
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser
+
+
+# The bench's own defaults, where it differs from the stages on purpose.
+BENCH_DEFAULTS = {"timeout": 30.0}
+
+
+@pytest.mark.parametrize("stage", [rdma_write, opqueue, multi_nic, threaded, batched],
+                         ids=lambda m: m.__name__.split(".")[-1])
+def test_bench_takes_every_stage_option_as_the_stage_does(stage):
+    """Every option of a stage's connect is the bench's too: same dest, same default (the final stage's,
+    which has every option), and a field of the same name in BenchConfig."""
+    ours, theirs = stage_options(connect_parser(stage)), stage_options(bench_parser())
+    final = stage_options(connect_parser(batched))
+    for option, (dest, _) in ours.items():
+        assert option in theirs, f"bench lacks {stage.__name__}'s {option}"
+        assert theirs[option][0] == dest, option
+        assert theirs[option][1] == BENCH_DEFAULTS.get(dest, final[option][1]), option
+        assert dest in {f.name for f in dataclasses.fields(bench.BenchConfig)}, dest
+
+
+def test_bench_and_stage_give_the_writer_the_same_options():
+    argv = ["--page-size", "4K", "--in-flight", "8", "--nics", "3", "--no-warmup", "--link-timeout", "0",
+            "--threads", "2", "--no-pad", "--batch", "5", "--fi-more"]
+    stage_args = connect_parser(batched).parse_args([*argv, "00"])
+    config = bench.BenchConfig.from_args(bench_parser().parse_args([*argv, "--stage", "batched"]))
+    assert config.writer_options() == batched.BatchedWriter.options_from_args(stage_args)
+    assert config.writer_options()["warmup"] is False and config.page_size == 4096
+    assert bench.BenchConfig() == bench.BenchConfig.from_args(bench_parser().parse_args([]))
+
+
+def test_threads_set_the_groups_from_chapter_11_on():
+    with pytest.raises(fi.UsageError, match="--threads sets the groups"):
+        bench.BenchConfig(stage="threaded", groups=4, threads=2).writer_options()
+    assert bench.BenchConfig(stage="threaded", threads=2).writer_options()["groups"] == 2
+    assert bench.BenchConfig(stage="multi_nic", groups=2).writer_options()["groups"] == 2
 
 
 @pytest.mark.parametrize("args, message", [
     (["--stage", "nope"], "unknown stage 'nope'"),
     (["--in-flight", "0"], "pages in flight must be at least 1"),
+    (["--sweep", "4K,big"], "'big' is not a size"),
+    (["--sweep", "4K", "--progression"], "not allowed with argument --sweep"),
+    (["--line-rate", "fast"], "'fast' is not a rate in bits per second"),
     (["--page-size", "1M", "--total", "4K"], "larger than the 4096-byte buffer"),
 ])
 def test_bench_cli_bad_input(args, message):

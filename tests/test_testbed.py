@@ -68,16 +68,16 @@ def tb(netns_ok):
 
 
 def test_parsing_and_layout():
-    assert testbed.parse_rate("100mbit") == 100_000_000
-    assert testbed.parse_rate("1gbit") == 1_000_000_000
-    assert testbed.parse_rate("100M") == 100_000_000
-    assert testbed.parse_rate(25_000_000) == 25_000_000
-    assert testbed.parse_rate("none") is None
+    assert testbed.link_rate("100mbit") == 100_000_000
+    assert testbed.link_rate("1gbit") == 1_000_000_000
+    assert testbed.link_rate("100M") == 100_000_000
+    assert testbed.link_rate(25_000_000) == 25_000_000
+    assert testbed.link_rate("none") is None and testbed.link_rate(None) is None and testbed.link_rate("0") is None
     assert testbed.parse_loss("0.1%") == pytest.approx(0.001)
     assert testbed.parse_loss("0.001") == pytest.approx(0.001)
-    for bad in ("fast", "100 furlongs"):
+    for bad in ("fast", "100 furlongs", "1kbit"):  # 1 kbit/s: a number, too slow for tbf
         with pytest.raises(fi.UsageError):
-            testbed.parse_rate(bad)
+            testbed.link_rate(bad)
     for bad in ("1.5", "-1%", "lots"):
         with pytest.raises(fi.UsageError):
             testbed.parse_loss(bad)

@@ -14,6 +14,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from ..cli import format_size
+
 # One palette for every lesson.
 COLORS = {
     "app": "#dbe9f6", "user": "#c6e2c3", "kernel": "#f6d7b0", "nic": "#d9c8ea", "data": "#c0392b",
@@ -290,7 +292,7 @@ def bandwidth(sizes: Sequence[int], rates: Sequence[float], label: str = "measur
     ax.plot(sizes, gbps, marker="o", color=COLORS["send"], label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(sizes))
-    ax.set_xticklabels([_size(s) for s in sizes], fontsize=8)
+    ax.set_xticklabels([format_size(s) for s in sizes], fontsize=8)
     ax.set_xlabel("message size", fontsize=8)
     ax.set_ylabel("Gbps", fontsize=8)
     ax.tick_params(axis="y", labelsize=8)
@@ -300,13 +302,6 @@ def bandwidth(sizes: Sequence[int], rates: Sequence[float], label: str = "measur
     ax.grid(color=COLORS["grid"])
     ax.legend(fontsize=8, loc="lower right")
     return fig
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
 
 
 # ---------------------------------------------------------------------------------------- chapter 4
@@ -335,7 +330,7 @@ def timeline(ops, title: str | None = None, unit: float = 1e-6, polls=None) -> F
             done = (op.completed - t0) / unit
             ax.plot([back, done], [y, y], color=color, lw=1.2)
             ax.plot([done], [y], marker="o", color=color, ms=6)
-    labels = [f"{op.side}: {op.kind} {_size(op.length)}" for op in ops]
+    labels = [f"{op.side}: {op.kind} {format_size(op.length)}" for op in ops]
     if polls:
         ax.broken_barh([((a - t0) / unit, max((b - a) / unit, 0.0)) for a, b, _ in polls], (-0.3, 0.6),
                        facecolors=COLORS["control"])
@@ -708,7 +703,7 @@ def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = 
     hm.set_xticks(range(len(depths)))
     hm.set_xticklabels([str(d) for d in depths], fontsize=8)
     hm.set_yticks(range(len(pages)))
-    hm.set_yticklabels([_size(p) for p in pages], fontsize=8)
+    hm.set_yticklabels([format_size(p) for p in pages], fontsize=8)
     hm.set_xlabel("pages in flight", fontsize=8)
     hm.set_ylabel("page size", fontsize=8)
     hm.set_title(f"Gbps; colour: share of the row's best;\nframed: first depth within {share:.0%} of it",
@@ -718,7 +713,7 @@ def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = 
     for i, p in enumerate(pages):
         xs = sorted(grid[p])
         color = palette[i % len(palette)]
-        cv.plot(xs, [grid[p][d] for d in xs], marker="o", color=color, label=_size(p))
+        cv.plot(xs, [grid[p][d] for d in xs], marker="o", color=color, label=format_size(p))
         knee = saturation_depth(grid[p], share)
         cv.plot([knee], [grid[p][knee]], marker="o", ms=13, mfc="none", mec=color, mew=1.5)
     if ceiling_gbps:

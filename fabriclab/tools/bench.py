@@ -5,6 +5,10 @@ of the same bytes takes on this machine — so a reader without a 100 Gbps NIC s
 rate" that means something.
 
     python -m fabriclab bench --stage opqueue --page-size 64K --total 256M [--json]
+    python -m fabriclab bench --stage batched --nics 4 --threads 2 --sweep 4K,16K,64K,256K,1M
+
+Its options are the stages' own, declared once by the stage that introduces each (``batched.add_batch_options``
+takes them all), plus the harness's; ``BenchConfig`` has a field of the same name and default for each.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import shlex
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -37,7 +41,7 @@ TARGET_MODULE = "fabriclab.multi_nic"
 #: The article's progression: chapter, what it adds, stage, switches that differ from "all on".
 PROGRESSION = [
     ("7", "operation queue, one NIC", "opqueue", {}),
-    ("9", "one thread, all NICs", "multi_nic", {"warmup": 0}),
+    ("9", "one thread, all NICs", "multi_nic", {"warmup": False}),
     ("10", "+ warm-up", "multi_nic", {}),
     ("11", "a thread per group", "threaded", {"pin": False, "shard": False}),
     ("12", "+ pinned to cores", "threaded", {"shard": False}),
@@ -49,45 +53,88 @@ PROGRESSION = [
 ]
 
 
+def size_list(text: str) -> list[int]:
+    """argparse type for --sweep: page sizes separated by commas (4K,64K,1M)."""
+    return [cli.positive_size(size) for size in text.split(",")]
+
+
+def add_arguments(p) -> None:
+    """Every stage's options (each stage declares its own) and the harness's."""
+    cli.add_fabric_options(p)
+    batched.add_batch_options(p)
+    # A bench run starts its own target and may move gigabytes through emulated NICs on a busy host.
+    p.set_defaults(timeout=30.0)
+    harness = p.add_argument_group("the harness")
+    harness.add_argument("--stage", default="opqueue", help=f"one of {', '.join(STAGES)} (default %(default)s)")
+    runs = harness.add_mutually_exclusive_group()
+    runs.add_argument("--sweep", type=size_list, metavar="SIZES",
+                      help="run the stage once per page size, e.g. 4K,16K,64K,256K,1M (the same --total each)")
+    runs.add_argument("--progression", action="store_true",
+                      help="run chapters 7, 9-15 one after the other (each with its own techniques only; "
+                           "--threads is the number of GPU groups in every chapter)")
+    runs.add_argument("--api", action="store_true",
+                      help="the same workload through fabriclab.Engine.write_pages and the stage-15 path, with the "
+                           "Python cost per write_pages call")
+    harness.add_argument("--rounds", type=int, default=3,
+                         help="--api: alternating runs of each path, compared by their medians (default %(default)s)")
+    harness.add_argument("--no-verify", dest="verify", action="store_false",
+                         help="skip the target's byte-exact check (pure speed)")
+    harness.add_argument("--server-domain", default=None,
+                         help="the target's domains when they differ from --domain (e.g. the other namespace's links)")
+    harness.add_argument("--server-launcher", default="",
+                         help='command prefix that starts the target, e.g. "ip netns exec fabriclab-a"')
+    harness.add_argument("--line-rate", dest="line_rate_bps", type=cli.bits_per_second, default=0.0, metavar="RATE",
+                         help="the links' aggregate rate (e.g. 3.2G, 100mbit): prints the %% of it that landed")
+    harness.add_argument("--json", action="store_true",
+                         help="print one JSON object per result, the last on the last line")
+
+
+def _option_defaults() -> dict:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
+#: Every option's default, as the command line has it: BenchConfig's defaults, so that the two cannot drift.
+DEFAULTS = _option_defaults()
+
+
 @dataclass
 class BenchConfig:
-    stage: str = "opqueue"
-    provider: str | None = None
-    domain: str | None = None
-    page_size: int = 64 << 10
-    total: int = 256 << 20
-    in_flight: int = opqueue.DEFAULT_IN_FLIGHT
-    memory: str = "host"
-    warmup: int = 16
-    verify: bool = True
-    timeout: float = 30.0
-    nics: int | None = None
-    threads: int = 1
-    pin: bool = True
-    shard: bool = True
-    pad: bool = True
-    batch: int = batched.DEFAULT_BATCH
-    lazy: bool = True
-    fi_more: bool = False
-    server_domain: str | None = None  # the target's domains when they differ (two namespaces or hosts)
-    server_launcher: str = ""  # command prefix for the target, e.g. "ip netns exec fabriclab-a"
-    line_rate_bps: float = 0.0  # the links' aggregate, when known (a shaped testbed, a NIC's speed)
-    link_timeout: float | None = None  # engine stages: a link silent this long is failed over (None: timeout/3)
+    """One run's settings: a field for each of the command line's options that shape a run (``--page-size``
+    is ``page_size``), with the same default and meaning. The stage writers read their options from it as
+    from parsed arguments (``options_from_args``)."""
+    stage: str = DEFAULTS["stage"]
+    provider: str | None = DEFAULTS["provider"]
+    domain: str | None = DEFAULTS["domain"]
+    timeout: float = DEFAULTS["timeout"]
+    page_size: int = DEFAULTS["page_size"]
+    total: int = DEFAULTS["total"]
+    memory: str = DEFAULTS["memory"]
+    in_flight: int = DEFAULTS["in_flight"]
+    nics: int | None = DEFAULTS["nics"]
+    groups: int = DEFAULTS["groups"]
+    warmup: bool = DEFAULTS["warmup"]
+    link_timeout: float | None = DEFAULTS["link_timeout"]  # a link silent this long is failed over (None: timeout/3)
+    threads: int = DEFAULTS["threads"]
+    pin: bool = DEFAULTS["pin"]
+    shard: bool = DEFAULTS["shard"]
+    pad: bool = DEFAULTS["pad"]
+    batch: int = DEFAULTS["batch"]
+    lazy: bool = DEFAULTS["lazy"]
+    fi_more: bool = DEFAULTS["fi_more"]
+    verify: bool = DEFAULTS["verify"]
+    server_domain: str | None = DEFAULTS["server_domain"]  # the target's domains if not the same (two namespaces)
+    server_launcher: str = DEFAULTS["server_launcher"]  # the target's command prefix: "ip netns exec fabriclab-a"
+    line_rate_bps: float = DEFAULTS["line_rate_bps"]  # the links' aggregate when known (a shaped testbed)
+
+    @classmethod
+    def from_args(cls, args) -> "BenchConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def writer_options(self) -> dict:
-        """Constructor options of this stage's writer (each stage takes its own and its ancestors')."""
-        cls = STAGES[self.stage]
-        options = {}
-        if issubclass(cls, opqueue.QueuedWriter):
-            options["in_flight"] = self.in_flight
-        if issubclass(cls, multi_nic.MultiNicWriter):
-            options.update(nics=self.nics, domains=self.domain, groups=self.threads, warmup=self.warmup > 0,
-                           in_flight=self.in_flight, link_timeout=self.link_timeout)
-        if issubclass(cls, threaded.ThreadedWriter):
-            options.update(threads=self.threads, pin=self.pin, shard=self.shard, pad=self.pad)
-        if issubclass(cls, batched.BatchedWriter):
-            options.update(batch=self.batch, lazy=self.lazy, fi_more=self.fi_more)
-        return options
+        """Constructor options of this stage's writer: each stage maps its own options and its ancestors'."""
+        return STAGES[self.stage].options_from_args(self)
 
     @property
     def control_domain(self) -> str | None:
@@ -98,8 +145,6 @@ class BenchConfig:
             raise fi.UsageError(f"unknown stage {self.stage!r}; choose one of {', '.join(STAGES)}")
         if self.in_flight <= 0:
             raise fi.UsageError(f"pages in flight must be at least 1, got {self.in_flight}")
-        if self.warmup < 0:
-            raise fi.UsageError(f"warm-up writes cannot be negative, got {self.warmup}")
         if self.memory not in memory.MEMORY_KINDS:
             raise fi.UsageError(f"unknown memory kind {self.memory!r}; choose one of {', '.join(memory.MEMORY_KINDS)}")
 
@@ -137,16 +182,10 @@ class BenchResult:
 
     def row(self) -> tuple:
         nics = f"{self.nics}" + (f" ({self.emulated_nics} emu)" if self.emulated_nics else "")
-        return (self.label or self.stage, self.provider, self.memory, nics, str(self.threads), _size(self.page_size),
-                str(self.in_flight), _size(self.total_bytes), f"{self.elapsed_s:.3f}", f"{self.gbps:.2f}",
-                f"{self.mops:.3f}", f"{self.cpu_ns_per_op:.0f}", str(self.verified))
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("G", 30), ("M", 20), ("K", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
+        return (self.label or self.stage, self.provider, self.memory, nics, str(self.threads),
+                cli.format_size(self.page_size), str(self.in_flight), cli.format_size(self.total_bytes),
+                f"{self.elapsed_s:.3f}", f"{self.gbps:.2f}", f"{self.mops:.3f}", f"{self.cpu_ns_per_op:.0f}",
+                str(self.verified))
 
 
 def memcpy_gbps(nbytes: int, threads: int = 1, repeats: int = 3) -> float:
@@ -262,7 +301,9 @@ class Bench:
         bar = _ProgressBar(plan.writes, progress)
         writer.on_progress = bar.update
         try:
-            stats = writer.transfer(warmup=config.warmup)
+            # chapter 10's warm-up, one untimed write per NIC: the engine stages' writers do it in C (their
+            # warmup option); chapters 6 and 7 have one endpoint, so one write.
+            stats = writer.transfer(warmup=1 if config.warmup else 0)
         except fi.FabricError:
             self.server.check_alive()
             raise
@@ -310,7 +351,7 @@ def run(config: BenchConfig | None = None, progress: bool = False, **kw) -> Benc
 
 
 def sweep(page_sizes, in_flights, **kw) -> list[BenchResult]:
-    """Every page size × pages in flight, through one target server."""
+    """Every page size × pages in flight, through one target server (``--sweep SIZES``: the given depth)."""
     base = BenchConfig(**kw)
     base.check()
     out = []
@@ -323,7 +364,9 @@ def sweep(page_sizes, in_flights, **kw) -> list[BenchResult]:
 
 def progression(chapters=None, **kw) -> list[BenchResult]:
     """The article's chapters 7 and 9-15 (plus this project's extra steps), one after the other through
-    one target, each with only its chapter's techniques on. ``chapters`` picks some ("9", "15", ...)."""
+    one target, each with only its chapter's techniques on. ``chapters`` picks some ("9", "15", ...).
+    ``threads`` is the number of GPU groups in every chapter: in the article chapter 9's one thread walks
+    the same groups that chapter 11 gives a thread each."""
     base = BenchConfig(**kw)
     base.check()
     out = []
@@ -331,7 +374,7 @@ def progression(chapters=None, **kw) -> list[BenchResult]:
         for chapter, what, stage, overrides in PROGRESSION:
             if chapters is not None and chapter not in chapters:
                 continue
-            config = BenchConfig(**{**asdict(base), "stage": stage, **overrides})
+            config = BenchConfig(**{**asdict(base), "stage": stage, "groups": base.threads, **overrides})
             out.append(bench.run(config, label=f"{chapter} {what}"))
     return out
 
@@ -441,67 +484,6 @@ def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outs
     return gbps, overhead, caller_cores
 
 
-def add_arguments(p) -> None:
-    cli.add_fabric_options(p)
-    p.set_defaults(timeout=30.0)
-    p.add_argument("--stage", default="opqueue", help=f"one of {', '.join(STAGES)} (default opqueue)")
-    p.add_argument("--api", action="store_true",
-                   help="the same workload through fabriclab.Engine.write_pages and the stage-15 path, with the "
-                        "Python cost per write_pages call")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="--api: alternating runs of each path, compared by their medians (default 3)")
-    p.add_argument("--progression", action="store_true",
-                   help="run chapters 7, 9-15 one after the other (each with its own techniques only)")
-    p.add_argument("--page-size", type=cli.positive_size, default=64 << 10, help="bytes per write (default 64K)")
-    p.add_argument("--total", type=cli.positive_size, default=256 << 20, help="bytes to move (default 256M)")
-    p.add_argument("--in-flight", type=int, default=opqueue.DEFAULT_IN_FLIGHT,
-                   help="pages in flight (per NIC for the engine stages; default 64)")
-    p.add_argument("--memory", default="host", choices=memory.MEMORY_KINDS, help="host or cuda memory")
-    p.add_argument("--warmup", type=int, default=16,
-                   help="untimed writes before timing (engine stages: 0 turns chapter 10's warm-up off)")
-    p.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip the target's byte-exact check (pure speed)")
-    engine = p.add_argument_group("engine stages (multi_nic, threaded, batched)")
-    engine.add_argument("--nics", type=int, default=None,
-                        help="NIC slots (default: every domain; more than there are = emulated NICs)")
-    engine.add_argument("--threads", type=int, default=1, help="GPU groups / worker threads (default 1)")
-    engine.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin threads to cores")
-    engine.add_argument("--no-shard", dest="shard", action="store_false", help="shared atomic counters")
-    engine.add_argument("--no-pad", dest="pad", action="store_false", help="sharded counters share a cache line")
-    engine.add_argument("--batch", type=int, default=batched.DEFAULT_BATCH, help="writes per pass (default 16)")
-    engine.add_argument("--no-lazy", dest="lazy", action="store_false", help="post on every enqueue")
-    engine.add_argument("--fi-more", action="store_true", help="FI_MORE on all but the last write of a run")
-    engine.add_argument("--link-timeout", type=cli.seconds_or_off, default=None,
-                        help="seconds without a completion before a NIC's link is declared down and its writes "
-                             "re-sent over the group's other NICs (default: a third of --timeout; 0: never)")
-    p.add_argument("--server-domain", default=None,
-                   help="the target's domains when they differ from --domain (e.g. the other namespace's links)")
-    p.add_argument("--server-launcher", default="",
-                   help='command prefix that starts the target, e.g. "ip netns exec fabriclab-a"')
-    p.add_argument("--line-rate", type=parse_rate, default=0.0,
-                   help="the links' aggregate rate (e.g. 3.2G, 100mbit): prints the %% of it that landed")
-    p.add_argument("--json", action="store_true", help="print one JSON object per result, the last on the last line")
-
-
-def config_from_args(args) -> BenchConfig:
-    return BenchConfig(stage=args.stage, provider=args.provider, domain=args.domain, page_size=args.page_size,
-                       total=args.total, in_flight=args.in_flight, memory=args.memory, warmup=args.warmup,
-                       verify=args.verify, timeout=args.timeout, nics=args.nics, threads=args.threads, pin=args.pin,
-                       shard=args.shard, pad=args.pad, batch=args.batch, lazy=args.lazy, fi_more=args.fi_more,
-                       server_domain=args.server_domain, server_launcher=args.server_launcher,
-                       line_rate_bps=args.line_rate, link_timeout=args.link_timeout)
-
-
-def parse_rate(text: str) -> float:
-    """Bits per second from 3.2G, 100mbit, 800M, 1e9."""
-    t = text.strip().lower().removesuffix("bps").removesuffix("bit").removesuffix("b")
-    scale = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}.get(t[-1:], 1.0)
-    try:
-        return float(t[:-1] if scale != 1.0 else t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rate (examples: 3.2G, 100mbit)") from None
-
-
 def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: float = 0.0) -> None:
     print(format_table(results))
     for r in results:
@@ -509,7 +491,8 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
             print(f"line rate {line_rate_bps / 1e9:g} Gbps: {r.label or r.stage} landed at {r.landed_gbps:.3f} Gbps = "
                   f"{r.landed_gbps * 1e9 / line_rate_bps * 100:.1f} % of it (posted at {r.gbps:.3f} Gbps)")
         ceiling = (f"memcpy ceiling ({r.threads} thread{'s' if r.threads > 1 else ''}, same bytes): "
-                   f"{r.memcpy_gbps:.2f} Gbps; {r.label or r.stage} ran at {r.ratio_to_memcpy * 100:.1f} % of it")
+                   f"{r.memcpy_gbps:.2f} Gbps; {r.label or r.stage} with {cli.format_size(r.page_size)} pages ran at "
+                   f"{r.ratio_to_memcpy * 100:.1f} % of it")
         print(ceiling)
         if r.emulated_nics:
             print(f"  {r.emulated_nics} of {r.nics} NICs are emulated (endpoints sharing a domain)")
@@ -532,12 +515,12 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
 
 
 def main(args) -> int:
-    config = config_from_args(args)
+    config = BenchConfig.from_args(args)
     if args.api:
         if args.rounds <= 0:
             raise fi.UsageError(f"--rounds must be at least 1, got {args.rounds}")
         r = api_comparison(config, rounds=args.rounds)
-        print(f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {_size(r['page_size'])} pages: "
+        print(f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {cli.format_size(r['page_size'])} pages: "
               f"stage-15 path {r['raw_gbps']:.2f} Gbps, Engine.write_pages {r['api_gbps']:.2f} Gbps "
               f"({r['ratio'] * 100:.1f} % of it); medians of {len(r['raw_runs'])} alternating runs "
               f"(stage 15: {', '.join(f'{g:.1f}' for g in r['raw_runs'])}; Engine: "
@@ -550,6 +533,8 @@ def main(args) -> int:
         return 0
     if args.progression:
         results = progression(**asdict(config))
+    elif args.sweep:
+        results = sweep(args.sweep, [config.in_flight], **asdict(config))
     else:
         results = [run(config, progress=not args.json)]
     print_results(results, args.json, config.line_rate_bps)

@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import fi
+from .. import cli, fi
 
 PROVIDER = "tcp;ofi_rxm"
 DEFAULT_PREFIX = "fabriclab"
@@ -94,29 +94,17 @@ class ContainmentError(TestbedError):
 
 # ------------------------------------------------------------------------------------------ parsing
 
-_RATE_UNITS = {"": 1, "bit": 1, "k": 1e3, "kbit": 1e3, "m": 1e6, "mbit": 1e6, "g": 1e9, "gbit": 1e9,
-               "t": 1e12, "tbit": 1e12}
-
-
-def parse_rate(rate: str | int | float | None) -> int | None:
-    """Bits per second from ``100mbit``, ``1gbit``, ``500kbit``, ``100M`` or a number; None means unshaped."""
-    if rate is None:
+def link_rate(rate: str | float | None) -> int | None:
+    """A link's rate for tbf in bits per second (cli.parse_rate's notations: 100mbit, 1gbit, 500kbit,
+    100M, a number), or None for an unshaped link: None, "none", "unlimited" or 0."""
+    if rate is None or (isinstance(rate, str) and rate.strip().lower() in ("", "none", "unlimited")):
         return None
-    if isinstance(rate, (int, float)):
-        value = rate
-    else:
-        text = rate.strip().lower().replace("bps", "bit/s").removesuffix("/s")
-        if text in ("", "none", "unlimited", "0"):
-            return None
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-z]*)", text)
-        if not m or m.group(2) not in _RATE_UNITS:
-            raise fi.UsageError(f"{rate!r} is not a rate (examples: 100mbit, 1gbit, 500kbit; bits per second)")
-        value = float(m.group(1)) * _RATE_UNITS[m.group(2)]
-    if value <= 0:
+    bps = int(cli.parse_rate(rate))  # tc takes whole bits per second
+    if bps == 0:
         return None
-    if value < 8000:
+    if bps < 8000:
         raise fi.UsageError(f"rate {rate!r} is below 8 kbit/s, too slow for tbf to shape sensibly")
-    return int(value)
+    return bps
 
 
 def format_rate(bps: float | None) -> str:
@@ -367,7 +355,7 @@ class Testbed:
             raise fi.UsageError(f"mtu must be a whole number of bytes from 576 to 65535, got {mtu!r}")
         self.prefix = prefix
         self.mtu = mtu
-        self.rate_bps = parse_rate(rate)
+        self.rate_bps = link_rate(rate)
         self.loss = parse_loss(loss)
         self.delay = parse_delay(delay)
         self.provider = provider
