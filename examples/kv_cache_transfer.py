@@ -31,7 +31,7 @@ import sys
 
 import numpy as np
 
-from fabriclab import Engine, TransferError, bootstrap, fi, gpu, lesson, memory
+from fabriclab import Engine, TransferError, bootstrap, fi, gpu, memory
 from fabriclab.cli import positive_seconds, positive_size
 
 SUCCESS = "kv_cache_transfer: OK"
@@ -137,7 +137,7 @@ class Memory:
 
 
 def open_engine(args) -> Engine:
-    provider, domain = lesson.fabric(args.provider)  # tcp stays on the loopback interface
+    provider, domain = fi.same_host_fabric(args.provider)  # tcp stays on the loopback interface
     return Engine(provider, domains=args.domain or domain, nics=args.nics, threads=args.threads, pin=args.pin,
                   timeout=args.timeout)
 

@@ -26,14 +26,14 @@ import sys
 
 import numpy as np
 
-from fabriclab import Engine, TransferError, bootstrap, fi, lesson
+from fabriclab import Engine, TransferError, bootstrap, fi
 from fabriclab.cli import positive_seconds, positive_size
 
 SUCCESS = "weight_broadcast: OK"
 
 
 def open_engine(args) -> Engine:
-    provider, domain = lesson.fabric(args.provider)  # tcp stays on the loopback interface
+    provider, domain = fi.same_host_fabric(args.provider)  # tcp stays on the loopback interface
     return Engine(provider, domains=args.domain or domain, nics=args.nics, threads=args.threads, pin=False,
                   timeout=args.timeout)
 

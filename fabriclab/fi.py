@@ -367,6 +367,20 @@ def default_provider(caps: int = DEFAULT_CAPS) -> str:
                               "(is libfabric installed? try `fi_info -l`)")
 
 
+#: Providers that carry RDM over IP: their domains are network interfaces, the loopback among them.
+IP_PROVIDERS = ("tcp", "udp", "sockets", "net")
+LOOPBACK = "lo"
+
+
+def same_host_fabric(provider: str | None = None) -> tuple[str, str | None]:
+    """(provider, domain) for two processes on this host: the default provider ($FABRICLAB_PROVIDER, else
+    the best available), and for IP-based providers the loopback interface, whatever $FABRICLAB_DOMAIN
+    says (another interface would send the traffic out of the host and back)."""
+    provider = provider or default_provider()
+    ip_based = any(part.strip() in IP_PROVIDERS for part in provider.split(";"))
+    return provider, LOOPBACK if ip_based else None
+
+
 def getinfo(provider: str | None = None, domain: str | None = None, *, caps: int = DEFAULT_CAPS,
             hmem: bool | None = False, ep_type: int = lib.FI_EP_RDM) -> list[Info]:
     """fi_getinfo for reliable-datagram endpoints: every (provider, domain) entry that fits.

@@ -23,8 +23,6 @@ import numpy as np
 from .. import fi
 
 # Providers that run over IP: a lesson pins them to the loopback interface.
-IP_PROVIDERS = ("tcp", "sockets", "udp", "net")
-LOOPBACK = "lo"
 
 
 # ------------------------------------------------------------------------------------- showing code
@@ -110,17 +108,8 @@ def show_diff(old, new, context: int = 3, title: str | None = None, names: tuple
 
 # ------------------------------------------------------------------------------- choosing a fabric
 
-
-def is_ip_provider(provider: str) -> bool:
-    return any(part.strip() in IP_PROVIDERS for part in provider.split(";"))
-
-
-def fabric(provider: str | None = None) -> tuple[str, str | None]:
-    """(provider, domain) for a lesson on this host: the default provider ($FABRICLAB_PROVIDER, else the
-    best available), and for IP-based providers the loopback domain, whatever $FABRICLAB_DOMAIN says."""
-    provider = provider or fi.default_provider()
-    domain = LOOPBACK if is_ip_provider(provider) else None
-    return provider, domain
+#: (provider, domain) for a lesson on this host; written once, in the binding, for the examples too.
+fabric = fi.same_host_fabric
 
 
 def stage_args(provider: str, domain: str | None = None) -> list[str]:
