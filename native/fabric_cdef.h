@@ -221,7 +221,7 @@ ssize_t fi_writedata(struct fid_ep *ep, const void *buf, size_t len, void *desc,
 
 char *strdup(const char *s);
 
-/* ------------------------------------------------------------ fabriclab's native engine (engine.h) */
+/* ------------------------------------------------------------ fabriclab's native engine (core.h) */
 #define FL_MAX_THREADS ...
 #define FL_MAX_NICS ...
 typedef struct fl_route { uint64_t desc; uint64_t dest; uint64_t remote_base; uint64_t rkey; } fl_route;

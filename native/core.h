@@ -4,8 +4,8 @@
  * runs the hot loop: posting RDMA WRITEs with immediate data, reaping completions, retrying -FI_EAGAIN,
  * from one or many pinned threads. Each chapter's technique is a switch in fl_config, so a lesson can
  * measure exactly what that technique adds. */
-#ifndef FABRICLAB_ENGINE_H
-#define FABRICLAB_ENGINE_H
+#ifndef FABRICLAB_CORE_H
+#define FABRICLAB_CORE_H
 #include <stdint.h>
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>

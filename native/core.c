@@ -1,8 +1,8 @@
-/* fabriclab's native multi-NIC write engine: see engine.h. No allocation, lock or system call per write:
+/* fabriclab's native multi-NIC write engine: see core.h. No allocation, lock or system call per write:
  * contexts come from a per-NIC free list, pending writes from a per-NIC ring, and counters are plain
  * stores or (chapters 11-12 on purpose) relaxed atomics. */
 #define _GNU_SOURCE
-#include "engine.h"
+#include "core.h"
 
 #include <errno.h>
 #include <stdarg.h>
