@@ -1,8 +1,8 @@
 """``fabriclab.Engine`` — the final stage as a library.
 
-The same native engine as chapters 9–15 (``native/engine.c``), run as a service: pinned worker threads,
-one set of NICs per thread, batched and lazy posting, striping across NICs. Python hands it writes and
-gets back futures.
+The same native engine core as chapters 9–15 (``native/core.c``), run as a service (``native/service.c``):
+pinned worker threads, one set of NICs per thread, batched and lazy posting, striping across NICs. Python
+hands it writes and gets back futures.
 
     from fabriclab import Engine
     with Engine() as engine:                        # NICs and cores from fabriclab.topology
@@ -574,7 +574,7 @@ _ROUTE_FIELDS = ("desc", "dest", "remote_base", "rkey")
 
 
 def _route_dtype() -> np.dtype:
-    """numpy's view of native/engine.h's fl_route, offsets taken from the compiled struct."""
+    """numpy's view of native/core.h's fl_route, offsets taken from the compiled struct."""
     return np.dtype({"names": list(_ROUTE_FIELDS), "formats": ["<u8"] * len(_ROUTE_FIELDS),
                      "offsets": [ffi.offsetof("fl_route", f) for f in _ROUTE_FIELDS],
                      "itemsize": ffi.sizeof("fl_route")})

@@ -2,10 +2,11 @@
 
 Chapter 7 drove one NIC. A p5 has 32, four per GPU. Here each NIC slot gets its own endpoint,
 completion queue and address vector; the source buffer is registered once per domain; the target
-answers with one (address, region key) pair per slot. The hot loop moves into C (``native/engine.c``):
-Python cannot post millions of writes per second. This stage's loop is the article's chapter 9: one
-thread visits every GPU group in turn, polls that group's NICs, then posts *one* write. Chapter 10 adds
-one untimed write per NIC before timing starts, so first-contact costs stay out of the figure.
+answers with one (address, region key) pair per slot. The hot loop moves into C (``native/course.c``,
+over the engine core in ``native/core.c``): Python cannot post millions of writes per second. This
+stage's loop is the article's chapter 9: one thread visits every GPU group in turn, polls that group's
+NICs, then posts *one* write. Chapter 10 adds one untimed write per NIC before timing starts, so
+first-contact costs stay out of the figure.
 
 Where the machine has fewer NICs (domains) than asked for, several endpoints share a domain: those are
 "emulated NICs", always reported as such.

@@ -11,4 +11,6 @@
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 #include "core.h"
+#include "course.h"
+#include "service.h"
 #endif
