@@ -1,4 +1,4 @@
-/* The library's service over the engine core: what fabriclab.Engine calls. */
+/* The library's service over the engine core: what fabriclab.Engine (fabriclab/_native.py) calls. */
 #ifndef FABRICLAB_SERVICE_H
 #define FABRICLAB_SERVICE_H
 #include "core.h"
