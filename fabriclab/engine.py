@@ -1,8 +1,8 @@
 """``fabriclab.Engine`` — the final stage as a library.
 
-The same native engine as chapters 9–15 (``native/engine.c``), run as a service: pinned worker threads,
-one set of NICs per thread, batched and lazy posting, striping across NICs. Python hands it writes and
-gets back futures.
+The same native engine core as chapters 9–15 (``native/core.c``), run as a service (``native/service.c``):
+pinned worker threads, one set of NICs per thread, batched and lazy posting, striping across NICs. Python
+hands it writes and gets back futures.
 
     from fabriclab import Engine
     with Engine() as engine:                        # NICs and cores from fabriclab.topology
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import fi, multi_nic, shmclean
-from ._fabric import ffi, lib
+from . import _native, fi, shmclean
+from .nics import NicSet, NicSlot, unique_registrations, worker_cores
 
 FabriclabError, UsageError = fi.FabriclabError, fi.UsageError  # the error root, and bad input (exported)
 
@@ -336,7 +336,7 @@ class _RegionState:
         self.closed = False
 
     def deregister(self) -> None:
-        for reg in multi_nic.unique_registrations(self.registrations):
+        for reg in unique_registrations(self.registrations):
             reg.close()
 
 
@@ -355,14 +355,14 @@ class Region:
         self.readonly = readonly
         self.id = next(self._ids)
         self._keep = keep
-        access = fi.lib.FI_WRITE | fi.lib.FI_SEND if readonly else fi.ACCESS_ALL  # read-only: a source only
+        access = fi.ACCESS_SOURCE if readonly else fi.ACCESS_ALL  # read-only: a source only
         registrations = engine._service.nics.register(view, access=access)
         self._state = _RegionState(registrations)
         if any(r.staging is not None for r in registrations):
             self._state.deregister()
             raise fi.UsageError(f"provider {engine.provider} cannot register GPU memory here "
                                 f"({registrations[0].why}); the engine API needs FI_HMEM — use host memory")
-        self.descs = [int(ffi.cast("uintptr_t", r.mr.desc)) for r in registrations]
+        self.descs = _native.route_descriptors(registrations)
         self._descs = np.asarray(self.descs, dtype=np.uint64)
         self.keys = [r.mr.key for r in registrations]
         self.bases = [r.mr.remote_base for r in registrations]
@@ -494,7 +494,7 @@ class Peer:
         key = (region.id, remote.region_id)
         routes = self._routes.get(key)
         if routes is None:
-            routes = np.empty(len(self.fi_addrs), dtype=_route_dtype())
+            routes = np.empty(len(self.fi_addrs), dtype=_native.ROUTE_DTYPE)
             routes["desc"] = region._descs
             routes["dest"] = self._fi_addrs
             routes["remote_base"] = np.asarray(remote.bases, dtype=np.uint64)[self._remote_slots]
@@ -570,15 +570,6 @@ class Peer:
 
 # ------------------------------------------------------------------------------------------ engine
 
-_ROUTE_FIELDS = ("desc", "dest", "remote_base", "rkey")
-
-
-def _route_dtype() -> np.dtype:
-    """numpy's view of native/engine.h's fl_route, offsets taken from the compiled struct."""
-    return np.dtype({"names": list(_ROUTE_FIELDS), "formats": ["<u8"] * len(_ROUTE_FIELDS),
-                     "offsets": [ffi.offsetof("fl_route", f) for f in _ROUTE_FIELDS],
-                     "itemsize": ffi.sizeof("fl_route")})
-
 
 class Engine:
     """The transfer engine. See the module docstring for a tour.
@@ -608,8 +599,8 @@ class Engine:
         self.timeout = fi.seconds(timeout, "timeout")
         link_timeout = fi.seconds(link_timeout, "link_timeout", self.timeout / 3, zero_means="failover off")
         options = {
-            "nics": None if nics is None else _integer(nics, "nics", 1, lib.FL_MAX_NICS),
-            "threads": None if threads is None else _integer(threads, "threads", 1, lib.FL_MAX_THREADS),
+            "nics": None if nics is None else _integer(nics, "nics", 1, _native.MAX_NICS),
+            "threads": None if threads is None else _integer(threads, "threads", 1, _native.MAX_THREADS),
             "batch": _integer(batch, "batch", 1, 1 << 16),
             "in_flight": None if in_flight is None else _integer(in_flight, "in_flight", 1)}
         self.id = secrets.randbits(63) | 1
@@ -686,7 +677,7 @@ class Engine:
         """A future that completes when ``count`` writes carrying ``imm`` have landed here (counted, never
         ordered; arrivals before the call count too, and are consumed by it)."""
         self._service.check_open()
-        imm = _integer(imm, "imm", 0, lib.FL_NO_IMM - 1)
+        imm = _integer(imm, "imm", 0, _native.NO_IMM - 1)
         count = _integer(count, "count", 1, 2 ** 63 - 1)
         return self._service.expect(imm, count, fi.seconds(timeout, "timeout", self.timeout))
 
@@ -739,37 +730,20 @@ class _Service:
         if reclaimed:
             logging.getLogger("fabriclab").info(shmclean.describe(reclaimed))
         # With GPUs, ask for FI_HMEM so CUDA arrays can be registered (where the provider offers it).
-        self.nics = multi_nic.NicSet(provider, nics, domains, "cuda" if gpu else "host")
+        self.nics = NicSet(provider, nics, domains, "cuda" if gpu else "host")
         self.provider, self.emulated = self.nics.provider, self.nics.emulated
         try:
-            self.native = multi_nic.NativeEngine(self.nics)
-            e = self.native._ptr
-            self.transfers = np.zeros(lib.FL_TRANSFER_FIELDS * TRANSFER_SLOTS, dtype=np.int64)
-            self._imm_keys = np.zeros(IMM_SLOTS, dtype=np.uint64)
-            self._imm_counts = np.zeros(IMM_SLOTS, dtype=np.uint64)
-            e.transfers = ffi.cast("int64_t *", self.transfers.ctypes.data)
-            e.transfer_capacity = TRANSFER_SLOTS
-            e.imm_keys = ffi.cast("uint64_t *", self._imm_keys.ctypes.data)
-            e.imm_counts = ffi.cast("uint64_t *", self._imm_counts.ctypes.data)
-            e.imm_capacity = IMM_SLOTS
+            self.native = _native.NativeEngine(self.nics)
+            self.transfers = self.native.attach_transfers(TRANSFER_SLOTS)
+            self.native.attach_immediates(IMM_SLOTS)
             if in_flight is not None:
-                for slot in self.nics.slots:
-                    e.nics[slot.index].max_in_flight = min(e.nics[slot.index].max_in_flight, in_flight)
+                self.native.limit_in_flight(in_flight)
             self.threads = threads or self._default_threads()
             if self.threads > len(self.nics.slots):
                 raise fi.UsageError(f"threads must be between 1 and the number of NICs ({len(self.nics.slots)}), "
                                     f"got {self.threads}")
-            cfg = ffi.new("fl_config *")
-            cfg.threads, cfg.groups, cfg.batch, cfg.lazy, cfg.fi_more = self.threads, self.threads, batch, 1, int(fi_more)
-            cfg.timeout_s = timeout
-            cfg.link_timeout_s = link_timeout
-            cfg.pin = int(pin)
-            self.worker_cores = multi_nic.worker_cores(self.threads, self.provider) if pin else []
-            for i, core in enumerate(self.worker_cores):
-                cfg.cores[i] = core
-            e.stop = 0
-            if lib.fl_service_start(e, cfg) != 0:
-                raise fi.FabricError("fl_service_start", e.error_code, message=ffi.string(e.error).decode())
+            self.worker_cores = worker_cores(self.threads, self.provider) if pin else []
+            self.native.start_service(self.threads, batch, fi_more, timeout, link_timeout, self.worker_cores)
         except BaseException:
             self.nics.close()
             raise
@@ -813,15 +787,14 @@ class _Service:
         """Every worker forgets the paths it had marked dead; first, NIC slots whose endpoint has writes the
         engine gave up on that the provider never reported get a fresh endpoint, which each worker swaps in
         itself (fl_service_revive: never under a thread that posts)."""
-        e = self.native._ptr
+        native = self.native
         with self.revive_lock:
-            stuck: dict[int, list[tuple[multi_nic.NicSlot, int]]] = {}  # by worker
+            stuck: dict[int, list[tuple[NicSlot, int]]] = {}  # by worker
             for slot in self.nics.slots:
-                n = e.nics[slot.index]
-                unreported = int(n.unreported_here)
+                unreported = native.unreported_writes(slot.index)
                 if not unreported:
                     self.renewal_notes.pop(slot.index, None)
-                elif n.next_ep == ffi.NULL:
+                elif not native.renewal_waiting(slot.index):
                     why = self._renewal_refused(slot)
                     if why:
                         self._note_stuck(slot, unreported, why)
@@ -830,7 +803,7 @@ class _Service:
             for slots in stuck.values():
                 # The slot's worker keeps off its NICs meanwhile: a provider may progress an endpoint bound to
                 # a CQ as soon as it is bound (shm does, and crashes on one not enabled yet).
-                if not lib.fl_worker_park(e, slots[0][0].index, min(self.timeout, 5.0)):
+                if not native.park_worker(slots[0][0].index, min(self.timeout, 5.0)):
                     for slot, unreported in slots:
                         self._note_stuck(slot, unreported, "its worker thread could not be paused to renew it")
                     continue
@@ -838,22 +811,22 @@ class _Service:
                     for slot, unreported in slots:
                         self._renew(slot, unreported)
                 finally:
-                    lib.fl_worker_unpark(e, slots[0][0].index)
-            lib.fl_service_revive(e)
+                    native.unpark_worker(slots[0][0].index)
+            native.revive()
 
-    def _renewal_refused(self, slot: multi_nic.NicSlot) -> str | None:
-        if slot.info.mr_mode & lib.FI_MR_ENDPOINT:
+    def _renewal_refused(self, slot: NicSlot) -> str | None:
+        if slot.info.mr_endpoint:
             return ("the provider binds registrations to endpoints (FI_MR_ENDPOINT), so a fresh endpoint could not "
                     "use the regions")
         if self.renewals[slot.index] >= MAX_RENEWALS:
             return f"this slot had {MAX_RENEWALS} fresh endpoints already (a peer that keeps stalling them?)"
         return None
 
-    def _note_stuck(self, slot: multi_nic.NicSlot, unreported: int, why: str) -> None:
+    def _note_stuck(self, slot: NicSlot, unreported: int, why: str) -> None:
         self.renewal_notes[slot.index] = (f"endpoint not renewed although {unreported} write(s) given up on were "
                                           f"never reported on it: {why}")
 
-    def _renew(self, slot: multi_nic.NicSlot, unreported: int) -> None:
+    def _renew(self, slot: NicSlot, unreported: int) -> None:
         """Open a fresh endpoint for ``slot`` on its domain, bound to its CQ and AV (fi_addrs stay valid, and
         the old endpoint's late completions still arrive), and hand it to the slot's worker, which swaps it in
         at the revival. The worker must be parked."""
@@ -862,7 +835,7 @@ class _Service:
         except (fi.FabricError, fi.UsageError) as exc:
             self._note_stuck(slot, unreported, f"a fresh endpoint could not be opened ({exc})")
             return
-        if not lib.fl_nic_renew(self.native._ptr, slot.index, endpoint._ptr):
+        if not self.native.renew_nic(slot.index, endpoint):
             endpoint.close()  # one is already waiting for the worker
             return
         self.replaced_endpoints.append(slot.ep)
@@ -876,8 +849,8 @@ class _Service:
         with self.lock:
             self.expectations.append((imm, count, future, deadline))
             self.next_deadline = min(self.next_deadline, deadline)
-        self.native._ptr.imm_watch = 1
-        lib.fl_service_wake(self.native._ptr)
+        self.native.watch_immediates(True)
+        self.native.wake()
         return future
 
     def stats(self) -> dict:
@@ -908,7 +881,7 @@ class _Service:
             raise fi.UsageError("that peer was closed; connect again")
         if region.engine._service is not self:
             raise fi.UsageError("that region was registered with another engine")
-        imm = lib.FL_NO_IMM if imm is None else _integer(imm, "imm", 0, lib.FL_NO_IMM - 1)
+        imm = _native.NO_IMM if imm is None else _integer(imm, "imm", 0, _native.NO_IMM - 1)
         timeout = fi.seconds(timeout, "timeout", self.timeout)
         n = src.size
         uniform = np.isscalar(lengths)
@@ -916,18 +889,12 @@ class _Service:
         deadline = time.monotonic() + timeout
         transfer = Transfer(n, nbytes, deadline, _Safety(self.timeout))
         routes = peer._routes_to(region, remote)
-        src, dst = np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64)
-        src_c, dst_c = ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst)
-        lengths_c = ffi.NULL if uniform else ffi.from_buffer("uint64_t[]", np.ascontiguousarray(lengths, np.uint64))
-        request = ffi.new("fl_request *", {
-            "routes": ffi.from_buffer("fl_route[]", routes), "local_base": region.address, "src": src_c,
-            "dst": dst_c, "stride": stride, "lengths": lengths_c, "length": lengths if uniform else 0, "count": n,
-            # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
-            # worker threads see traffic arrive and keep polling: software providers need the target to poll.
-            "imm": imm, "first_nic": peer._next_nic})
+        # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
+        # worker threads see traffic arrive and keep polling: software providers need the target to poll.
+        request = self.native.request(routes, region.address, src, dst, stride, lengths, imm, peer._next_nic)
         peer._next_nic = (peer._next_nic + n) % len(peer.fi_addrs)
         state = region._state
-        fields = lib.FL_TRANSFER_FIELDS
+        fields = _native.TRANSFER_FIELDS
         with self.lock:
             if not self.free_ids:
                 raise TransferError("too many transfers in flight", buffer_safe=True)
@@ -937,18 +904,17 @@ class _Service:
             state.in_use += 1
             if deadline < self.next_deadline:
                 self.next_deadline = deadline
-                lib.fl_service_wake(self.native._ptr)
-        request.transfer = tid
+                self.native.wake()
         taken = 0
         while taken < n:
-            taken += lib.fl_service_submit(self.native._ptr, request, taken)
+            taken += self.native.submit(request, tid, taken)
             if taken < n:
-                if time.monotonic() > deadline or self.native._ptr.stop:
+                if time.monotonic() > deadline or self.native.stopping:
                     failure = TransferTimeout(f"the engine's queues stayed full; {n - taken} of {n} writes not queued",
                                               buffer_safe=taken == 0, safety=transfer._safety)
                     transfer.set_exception(failure)
                     # writes never handed over will never complete: the engine counts them as finished
-                    lib.fl_transfer_release(self.native._ptr, tid, n - taken)
+                    self.native.release_writes(tid, n - taken)
                     raise failure
                 time.sleep(0.0002)
         return transfer
@@ -964,7 +930,7 @@ class _Service:
         with self.lock:
             self.retired_regions.append(state)
             self.next_deadline = 0.0  # the reaper fails what is left with RegionClosed
-        lib.fl_service_wake(self.native._ptr)
+        self.native.wake()
 
     @staticmethod
     def close_collected(service: "_Service") -> None:
@@ -987,17 +953,16 @@ class _Service:
         if threading.current_thread() is self.reaper:  # collected on the reaper thread: it finishes the job
             self._closed_by_reaper = True
             return
-        lib.fl_service_wake(self.native._ptr)
+        self.native.wake()
         self.reaper.join(5)
         self._shut_down()
 
     # ------------------------------------------------------------------------------------ internals
 
     def _shut_down(self) -> None:
-        e = self.native._ptr
-        lib.fl_service_stop(e)
+        self.native.stop_service()
         self.final_stats = {**self._snapshot_after_stop(), "closed": True}
-        fields = lib.FL_TRANSFER_FIELDS
+        fields = _native.TRANSFER_FIELDS
         with self.lock:
             for tid, (transfer, state, _) in self.in_use.items():
                 left, _, abandoned = (int(x) for x in self.transfers[fields * tid:fields * (tid + 1)])
@@ -1025,8 +990,6 @@ class _Service:
         """Resolve futures as the native engine reports transfers finished (it wakes this thread, which
         waits without the GIL); enforce deadlines; count expected immediate data. Whatever goes wrong in
         one item fails that item's future: the thread itself never dies while the engine is open."""
-        finished = ffi.new("uint32_t[]", 1024)
-        e = self.native._ptr
         if self.worker_cores and self.housekeeping_cores:
             os.sched_setaffinity(0, self.housekeeping_cores)  # this thread only
         while not self.closed:
@@ -1034,9 +997,8 @@ class _Service:
                 with self.lock:
                     busy = self.in_use or self.expectations
                     wait = min(max(self.next_deadline - time.monotonic(), 0.0), 0.05) if busy else 0.05
-                got = lib.fl_service_wait(e, finished, len(finished), wait)
-                for tid in finished[0:got]:
-                    self._guarded(self._settle, int(tid))
+                for tid in self.native.wait(wait):
+                    self._guarded(self._settle, tid)
                 now = time.monotonic()
                 with self.lock:
                     rescan = now >= self.next_deadline
@@ -1065,7 +1027,7 @@ class _Service:
 
     def _counters(self, tid: int) -> tuple[int, int, int]:
         """(writes left, first error, abandoned writes still posted) of transfer id ``tid``."""
-        fields = lib.FL_TRANSFER_FIELDS
+        fields = _native.TRANSFER_FIELDS
         left, error, abandoned = self.transfers[fields * tid:fields * (tid + 1)]
         return int(left), int(error), int(abandoned)
 
@@ -1091,13 +1053,13 @@ class _Service:
 
     def _check_expectation(self, item, now: float) -> None:
         imm, count, future, deadline = item
-        done = lib.fl_imm_take(self.native._ptr, imm, count)
+        done = self.native.take_immediates(imm, count)
         if done or now > deadline or future.cancelled():
             with self.lock:
                 if item in self.expectations:
                     self.expectations.remove(item)
                 if not self.expectations:
-                    self.native._ptr.imm_watch = 0
+                    self.native.watch_immediates(False)
             if done:
                 future.set_result(count)
             elif not future.cancelled():

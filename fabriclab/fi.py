@@ -50,6 +50,8 @@ SUPPORTED_MR_MODES = (lib.FI_MR_LOCAL | lib.FI_MR_VIRT_ADDR | lib.FI_MR_ALLOCATE
 SUPPORTED_MODES = lib.FI_CONTEXT | lib.FI_CONTEXT2
 ACCESS_ALL = (lib.FI_SEND | lib.FI_RECV | lib.FI_READ | lib.FI_WRITE | lib.FI_REMOTE_READ
               | lib.FI_REMOTE_WRITE)
+# What memory that is only ever the source of this side's writes and sends must allow (read-only buffers).
+ACCESS_SOURCE = lib.FI_WRITE | lib.FI_SEND
 
 _MR_MODE_NAMES = {lib.FI_MR_LOCAL: "FI_MR_LOCAL", lib.FI_MR_RAW: "FI_MR_RAW",
                   lib.FI_MR_VIRT_ADDR: "FI_MR_VIRT_ADDR", lib.FI_MR_ALLOCATED: "FI_MR_ALLOCATED",
@@ -297,6 +299,11 @@ class Info:
     def virt_addr(self) -> bool:
         """Remote addresses are virtual addresses (else offsets into the registered region)."""
         return bool(self.mr_mode & lib.FI_MR_VIRT_ADDR)
+
+    @property
+    def mr_endpoint(self) -> bool:
+        """Registrations are bound to one endpoint (FI_MR_ENDPOINT), so each endpoint needs its own."""
+        return bool(self.mr_mode & lib.FI_MR_ENDPOINT)
 
     @property
     def prov_key(self) -> bool:
@@ -837,7 +844,7 @@ class MemoryRegion(Resource):
         out = ffi.new("struct fid_mr **")
         check(lib.fi_mr_regattr(domain._ptr, attr, 0, out), f"fi_mr_regattr({self.length} bytes)")
         self._opened(out[0])
-        if self.info.mr_mode & lib.FI_MR_ENDPOINT:
+        if self.info.mr_endpoint:
             if endpoint is None:
                 raise UsageError(f"provider {self.info.provider} binds memory to an endpoint (FI_MR_ENDPOINT): "
                                  "pass endpoint=")

@@ -1,8 +1,9 @@
 """Chapters 9–10 — all the NICs, from one thread; then a warm-up before the clock starts.
 
 Chapter 7 drove one NIC. A p5 has 32, four per GPU. Here each NIC slot gets its own endpoint,
-completion queue and address vector; the source buffer is registered once per domain; the target
-answers with one (address, region key) pair per slot. The hot loop moves into C (``native/engine.c``):
+completion queue and address vector (a ``fabriclab.nics.NicSet``, which the library uses too); the
+source buffer is registered once per domain; the target answers with one (address, region key) pair
+per slot. The hot loop moves into C (``native/course.c``, over the engine core in ``native/core.c``):
 Python cannot post millions of writes per second. This stage's loop is the article's chapter 9: one
 thread visits every GPU group in turn, polls that group's NICs, then posts *one* write. Chapter 10 adds
 one untimed write per NIC before timing starts, so first-contact costs stay out of the figure.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,248 +26,11 @@ import numpy as np
 
 from . import bidirectional, cli, fi, memory, opqueue, rdma_write
 from ._fabric import ffi, lib
+from ._native import NativeEngine
+from .nics import NicSet, release_nics, worker_cores
 from .rdma_write import PagePlan, Report, Writer, WriteStats
 
 PREPARE_NICS, REGIONS = 10, 11
-RING_CAPACITY = 4096
-
-
-# ------------------------------------------------------------------------------------------- NIC slots
-
-
-@dataclass
-class NicSlot:
-    """One NIC as the engine sees it: an endpoint with its own completion queue and address vector."""
-    index: int
-    domain_name: str
-    emulated: bool
-    info: fi.Info
-    cq: fi.CompletionQueue
-    av: fi.AddressVector
-    ep: fi.Endpoint
-
-
-class NicSet:
-    """``count`` NIC slots over a provider's domains (or the named ones), one fabric and domain per real
-    NIC; slots beyond the real NICs share domains round-robin and are marked emulated. A context manager."""
-
-    def __init__(self, provider: str | None, count: int | None = None, domains: list[str] | str | None = None,
-                 memory_kind: str = "host"):
-        if isinstance(domains, str):
-            domains = [d for d in domains.split(",") if d]
-        infos = fi.getinfo(provider, hmem=None if memory_kind == "cuda" else False)
-        by_domain: dict[str, fi.Info] = {}
-        for info in infos:
-            by_domain.setdefault(info.domain, info)
-        wanted = domains or [d for d in os.environ.get("FABRICLAB_DOMAIN", "").split(",") if d] or list(by_domain)
-        missing = [d for d in wanted if d not in by_domain]
-        if missing:
-            raise fi.UsageError(f"provider {infos[0].provider!r} has no domain {', '.join(missing)}; its domains here: "
-                                f"{', '.join(by_domain)}")
-        count = len(wanted) if count is None else count
-        if count <= 0:
-            raise fi.UsageError(f"the number of NICs must be at least 1, got {count}")
-        self.provider = infos[0].provider
-        self.real_nics = len(wanted)
-        self.fabrics: list[fi.Fabric] = []
-        self.domains: dict[str, fi.Domain] = {}
-        self.slots: list[NicSlot] = []
-        try:
-            for name in wanted[:count]:
-                fabric = fi.Fabric(by_domain[name])
-                self.fabrics.append(fabric)
-                self.domains[name] = fi.Domain(fabric, by_domain[name])
-            for i in range(count):
-                name = wanted[i % len(wanted)]
-                domain = self.domains[name]
-                cq = fi.CompletionQueue(domain)
-                av = fi.AddressVector(domain)
-                ep = fi.Endpoint(domain, cq, av)
-                self.slots.append(NicSlot(i, name, i >= len(wanted), domain.info, cq, av, ep))
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def emulated(self) -> int:
-        return sum(s.emulated for s in self.slots)
-
-    def describe(self) -> str:
-        text = f"{len(self.slots)} NIC(s) on {self.provider}: {', '.join(s.domain_name for s in self.slots[:8])}"
-        if len(self.slots) > 8:
-            text += ", ..."
-        if self.emulated:
-            text += (f" ({self.emulated} emulated: this machine has {self.real_nics} real domain(s), so several "
-                     "endpoints share one)")
-        return text
-
-    def register(self, buffer, access: int = fi.ACCESS_ALL) -> list[memory.Registration]:
-        """The buffer registered once per domain (per endpoint where the provider binds memory to one), for
-        for the uses ``access`` names (fi access flags; default every use)."""
-        per_domain: dict[str, memory.Registration] = {}
-        out = []
-        for slot in self.slots:
-            bind = bool(slot.info.mr_mode & lib.FI_MR_ENDPOINT)
-            reg = None if bind else per_domain.get(slot.domain_name)
-            if reg is None:
-                stack = _SlotStack(self.domains[slot.domain_name], slot.ep)
-                reg = memory.register(stack, buffer, staging=out[0].staging if out else None, access=access)
-                per_domain.setdefault(slot.domain_name, reg)
-            out.append(reg)
-        return out
-
-    def addresses(self) -> list[str]:
-        return [s.ep.address().hex() for s in self.slots]
-
-    def close(self) -> None:
-        for fabric in self.fabrics:
-            fabric.close()
-        self.fabrics.clear()
-
-    @property
-    def closed(self) -> bool:
-        return not self.fabrics
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-
-class _SlotStack:
-    """What memory.register needs of an endpoint stack, for one slot."""
-
-    def __init__(self, domain: fi.Domain, ep: fi.Endpoint):
-        self.domain, self.ep, self.info = domain, ep, domain.info
-
-    def register(self, buffer=None, **kw) -> fi.MemoryRegion:
-        return fi.MemoryRegion(self.domain, buffer, endpoint=self.ep, **kw)
-
-
-def release_nics(owner) -> None:
-    """Close an owner's engine, registrations and NIC set, in that order (children before parents)."""
-    if owner.engine is not None:
-        owner.engine.close()
-        owner.engine = None
-    for reg in unique_registrations(owner.registrations):
-        reg.close()
-    owner.registrations = []
-    if owner.nicset is not None:
-        owner.nicset.close()
-        owner.nicset = None
-
-
-def unique_registrations(registrations: list[memory.Registration]) -> list[memory.Registration]:
-    seen, out = set(), []
-    for reg in registrations:
-        if id(reg) not in seen:
-            seen.add(id(reg))
-            out.append(reg)
-    return out
-
-
-# -------------------------------------------------------------------------------------------- engine
-
-
-class NativeEngine:
-    """An fl_engine over a NicSet: fills one fl_nic per slot and runs the C loops in a Python thread,
-    so that Ctrl-C (KeyboardInterrupt) stops the engine and the interpreter stays usable."""
-
-    def __init__(self, nics: NicSet, registrations: list[memory.Registration] | None = None):
-        self.nics = nics
-        self._ptr = lib.fl_engine_new(len(nics.slots), RING_CAPACITY)
-        if self._ptr == ffi.NULL:
-            raise MemoryError("fl_engine_new")
-        for slot in nics.slots:
-            n = self._ptr.nics[slot.index]
-            n.ep = slot.ep._ptr
-            n.cq = slot.cq._ptr
-            n.max_in_flight = max(1, slot.info.tx_size)
-            if registrations:
-                n.desc = registrations[slot.index].mr.desc
-
-    def use_staging(self, registration: memory.Registration, outbound: bool) -> None:
-        """Have the C threads copy each page between the GPU and the registered pinned copy."""
-        if registration.staging is None:
-            return
-        hooks = registration.staging_hooks(outbound)
-        e = self._ptr
-        e.stage_device_base, e.stage_host_base = hooks["device"], hooks["host"]
-        e.stage_copy = ffi.cast("int (*)(uint64_t, uint64_t, size_t)", hooks["copy"])
-        e.stage_set_context = ffi.cast("int (*)(void *)", hooks["set_context"])
-        e.stage_context = ffi.cast("void *", hooks["context"])
-
-    def set_peer(self, index: int, dest: int, remote: fi.RemoteRegion) -> None:
-        n = self._ptr.nics[index]
-        n.dest = dest
-        n.remote_base = remote.base
-        n.rkey = remote.key
-
-    def nic(self, index: int):
-        return self._ptr.nics[index]
-
-    def run(self, call, *args, timeout: float) -> None:
-        """Run a blocking engine call (the GIL is released inside it) in a thread; raise on its error.
-        However the wait ends (Ctrl-C included, even during the thread's start), the engine is told to
-        stop and its threads are joined before this returns, so it is never freed under them."""
-        result = {}
-        launched, finished = threading.Event(), threading.Event()
-
-        def body():
-            launched.set()
-            try:
-                result["rc"] = call(self._ptr, *args)
-            finally:
-                finished.set()
-
-        self._ptr.stop = 0
-        self._running = (launched, finished)
-        try:
-            threading.Thread(target=body, daemon=True).start()
-            while not finished.wait(0.05):
-                pass
-        finally:
-            self._join_worker()
-        if result.get("rc", -1) != 0:
-            raise fi.FabricError("fabriclab engine", result.get("rc", -lib.FI_EIO),
-                                 message=f"engine: {ffi.string(self._ptr.error).decode(errors='replace')}")
-
-    def _join_worker(self) -> None:
-        running = getattr(self, "_running", None)
-        if running is None:
-            return
-        launched, finished = running
-        if not launched.wait(1.0):
-            self._running = None  # the thread never came to life
-            return
-        while not finished.is_set():
-            self._ptr.stop = 1
-            try:
-                finished.wait(0.1)
-            except KeyboardInterrupt:
-                pass  # already stopping
-        self._running = None
-
-    def counters(self) -> list[dict]:
-        out = []
-        for slot in self.nics.slots:
-            n = self._ptr.nics[slot.index]
-            out.append({"nic": slot.index, "domain": slot.domain_name, "emulated": slot.emulated, "group": n.group,
-                        "bytes": int(n.bytes), "writes": int(n.writes), "completions": int(n.completions),
-                        "eagain": int(n.eagain), "cq_polls": int(n.cq_polls), "errors": int(n.errors),
-                        "arrivals": int(n.arrivals), "more_flushes": int(n.more_flushes),
-                        "down": ffi.string(n.down_why).decode(errors="replace"),
-                        "resent": int(n.resent), "unreported": int(n.unreported), "retried": int(n.retried),
-                        "renewals": int(n.renewals)})
-        return out
-
-    def close(self) -> None:
-        if self._ptr is not None and self._ptr != ffi.NULL:
-            self._join_worker()
-            lib.fl_engine_free(self._ptr)
-        self._ptr = None
 
 
 # -------------------------------------------------------------------------------------------- target
@@ -455,9 +218,8 @@ class MultiNicWriter(Writer):
             dest = slot.av.insert(fi.Address.parse(remote["address"]))
             self.engine.set_peer(slot.index, dest, region)
             self.engine.nic(slot.index).group = slot.index % groups
-            if self.in_flight:
-                n = self.engine.nic(slot.index)
-                n.max_in_flight = min(n.max_in_flight, self.in_flight)
+        if self.in_flight:
+            self.engine.limit_in_flight(self.in_flight)
         return {"local": self.registrations[0].path, "local_why": self.registrations[0].why,
                 "remote_path": reply["path"], "remote_why": "", "emulated": self.nicset.emulated}
 
@@ -500,25 +262,6 @@ class MultiNicWriter(Writer):
     def release(self) -> None:
         release_nics(self)
         super().release()
-
-
-def worker_cores(threads: int, provider: str, cores: list[int] | None = None) -> list[int]:
-    """Cores to pin worker threads to: given, or proposed by fabriclab.topology for the NICs' groups
-    (then the rest of the allowed cores, core 0 last)."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if cores:
-        cores = list(cores)
-    else:
-        from . import topology
-        groups = [[c for c in g.cores if c in allowed] for g in topology.Topology.discover(provider=provider).groups]
-        groups = [g for g in groups if g]
-        # thread t goes to group t % G (one thread per GPU group first), taking that group's cores in turn
-        proposed = [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
-        cores = proposed + [c for c in allowed if c not in proposed]
-    if threads > len(cores):
-        raise fi.UsageError(f"{threads} pinned threads need as many cores, but only {len(cores)} are available "
-                            f"({', '.join(map(str, cores))}); use fewer threads")
-    return cores[:threads]
 
 
 # ----------------------------------------------------------------------------------------------- CLI

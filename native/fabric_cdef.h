@@ -221,7 +221,7 @@ ssize_t fi_writedata(struct fid_ep *ep, const void *buf, size_t len, void *desc,
 
 char *strdup(const char *s);
 
-/* ------------------------------------------------------------ fabriclab's native engine (engine.h) */
+/* ---------------------------------------------------------- fabriclab's native engine core (core.h) */
 #define FL_MAX_THREADS ...
 #define FL_MAX_NICS ...
 typedef struct fl_route { uint64_t desc; uint64_t dest; uint64_t remote_base; uint64_t rkey; } fl_route;
@@ -264,22 +264,26 @@ typedef struct fl_engine {
     volatile uint32_t revive_epoch;
     ...;
 } fl_engine;
+fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
+void fl_engine_free(fl_engine *e);
+uint64_t fl_now_ns(void);
+void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
+int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
+
+/* ------------------------------------------------------------- the course's run loops (course.h) */
+int fl_write_run(fl_engine *e, const fl_config *cfg);
+int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s);
+
+/* ---------------------------------------------------------- the library's service (service.h) */
 typedef struct fl_request {
     const fl_route *routes; uint64_t local_base; const int64_t *src, *dst; uint64_t stride;
     const uint64_t *lengths; uint64_t length; uint64_t count; uint64_t imm; uint32_t transfer; uint32_t first_nic;
 } fl_request;
-fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
-void fl_engine_free(fl_engine *e);
-int fl_write_run(fl_engine *e, const fl_config *cfg);
-int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s);
-uint64_t fl_now_ns(void);
 int fl_service_start(fl_engine *e, const fl_config *cfg);
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
 void fl_service_wake(fl_engine *e);
-void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 void fl_service_stop(fl_engine *e);
-int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
 void fl_service_revive(fl_engine *e);
 int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep);
 int fl_worker_park(fl_engine *e, int nic, double timeout_s);

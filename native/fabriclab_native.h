@@ -10,5 +10,7 @@
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
-#include "engine.h"
+#include "core.h"
+#include "course.h"
+#include "service.h"
 #endif

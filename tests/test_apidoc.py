@@ -56,7 +56,7 @@ def test_the_rule():
                        params=apidoc.parameters(engine.Peer.write_pages))
     module = apidoc.Doc("fabriclab.engine", "", engine, classes=(engine.Engine, engine.TransferError))
     good = ["Transfer.writes", "page_size", "local_region", "Engine(timeout=...)", "write",
-            "concurrent.futures.Future", "fabriclab.topology", "__dlpack__", "native/engine.c",
+            "concurrent.futures.Future", "fabriclab.topology", "__dlpack__", "native/core.c",
             "src_pages[i]", "42", "Engine.address", "fi.FabricTimeout"]
     bad = ["Transfer.nope", "page_size.real", "no_such_name", "fabriclab.nope", "engine_address"]
     for ref in good:

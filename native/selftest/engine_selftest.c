@@ -11,7 +11,7 @@
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
-#include "../engine.h"
+#include "../course.h"
 
 #define NICS 4
 #define PAGES 257

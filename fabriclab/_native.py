@@ -1,0 +1,279 @@
+"""The native engine (``native/core.c``, ``course.c``, ``service.c``) as Python drives it.
+
+:class:`NativeEngine` wraps one ``fl_engine`` over a :class:`~fabriclab.nics.NicSet`. The course's stages
+(``fabriclab.multi_nic`` and after) run its write and target loops with :meth:`NativeEngine.run`;
+``fabriclab.Engine`` runs it as a service through the methods of its second half, and never touches the
+cffi struct or ``lib`` itself: this module is the one place that knows the native engine's layout.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from . import fi, memory
+from ._fabric import ffi, lib
+from .nics import NicSet
+
+RING_CAPACITY = 4096  # pending writes per NIC (fl_nic.ring)
+MAX_NICS, MAX_THREADS = lib.FL_MAX_NICS, lib.FL_MAX_THREADS
+NO_IMM = lib.FL_NO_IMM  # the immediate data of a write whose caller gave none (targets still see traffic)
+# per transfer id, in the array attach_transfers returns: writes still to finish, the first error
+# (negative), and writes given up on that the provider may still be reading
+TRANSFER_FIELDS = lib.FL_TRANSFER_FIELDS
+WAIT_BATCH = 1024  # finished transfer ids one wait() hands back at most
+
+_ROUTE_FIELDS = ("desc", "dest", "remote_base", "rkey")
+#: numpy's view of native/core.h's fl_route (one NIC slot's way to a peer's region), offsets taken from the
+#: compiled struct: a request's routes are an array of these, one per NIC slot.
+ROUTE_DTYPE = np.dtype({"names": list(_ROUTE_FIELDS), "formats": ["<u8"] * len(_ROUTE_FIELDS),
+                        "offsets": [ffi.offsetof("fl_route", f) for f in _ROUTE_FIELDS],
+                        "itemsize": ffi.sizeof("fl_route")})
+
+
+def route_descriptors(registrations: list[memory.Registration]) -> list[int]:
+    """Each registration's local memory descriptor (fi_mr_desc) as a route's ``desc`` holds it: an integer."""
+    return [int(ffi.cast("uintptr_t", r.mr.desc)) for r in registrations]
+
+
+class Request:
+    """One request as the service takes it (made by :meth:`NativeEngine.request`). The native struct points
+    into the arrays it was made from, so it keeps them alive."""
+
+    __slots__ = ("_c", "_keep")
+
+    def __init__(self, c, keep: tuple):
+        self._c, self._keep = c, keep
+
+
+class NativeEngine:
+    """An fl_engine over a NicSet: fills one fl_nic per slot and runs the C loops in a Python thread,
+    so that Ctrl-C (KeyboardInterrupt) stops the engine and the interpreter stays usable."""
+
+    def __init__(self, nics: NicSet, registrations: list[memory.Registration] | None = None):
+        self.nics = nics
+        self._ptr = lib.fl_engine_new(len(nics.slots), RING_CAPACITY)
+        if self._ptr == ffi.NULL:
+            raise MemoryError("fl_engine_new")
+        for slot in nics.slots:
+            n = self._ptr.nics[slot.index]
+            n.ep = slot.ep._ptr
+            n.cq = slot.cq._ptr
+            n.max_in_flight = max(1, slot.info.tx_size)
+            if registrations:
+                n.desc = registrations[slot.index].mr.desc
+
+    def use_staging(self, registration: memory.Registration, outbound: bool) -> None:
+        """Have the C threads copy each page between the GPU and the registered pinned copy."""
+        if registration.staging is None:
+            return
+        hooks = registration.staging_hooks(outbound)
+        e = self._ptr
+        e.stage_device_base, e.stage_host_base = hooks["device"], hooks["host"]
+        e.stage_copy = ffi.cast("int (*)(uint64_t, uint64_t, size_t)", hooks["copy"])
+        e.stage_set_context = ffi.cast("int (*)(void *)", hooks["set_context"])
+        e.stage_context = ffi.cast("void *", hooks["context"])
+
+    def set_peer(self, index: int, dest: int, remote: fi.RemoteRegion) -> None:
+        n = self._ptr.nics[index]
+        n.dest = dest
+        n.remote_base = remote.base
+        n.rkey = remote.key
+
+    def nic(self, index: int):
+        return self._ptr.nics[index]
+
+    def limit_in_flight(self, writes: int) -> None:
+        """At most ``writes`` writes in flight on each NIC (never more than its provider's tx queue takes)."""
+        for slot in self.nics.slots:
+            n = self._ptr.nics[slot.index]
+            n.max_in_flight = min(n.max_in_flight, writes)
+
+    def run(self, call, *args, timeout: float) -> None:
+        """Run a blocking engine call (the GIL is released inside it) in a thread; raise on its error.
+        However the wait ends (Ctrl-C included, even during the thread's start), the engine is told to
+        stop and its threads are joined before this returns, so it is never freed under them."""
+        result = {}
+        launched, finished = threading.Event(), threading.Event()
+
+        def body():
+            launched.set()
+            try:
+                result["rc"] = call(self._ptr, *args)
+            finally:
+                finished.set()
+
+        self._ptr.stop = 0
+        self._running = (launched, finished)
+        try:
+            threading.Thread(target=body, daemon=True).start()
+            while not finished.wait(0.05):
+                pass
+        finally:
+            self._join_worker()
+        if result.get("rc", -1) != 0:
+            raise fi.FabricError("fabriclab engine", result.get("rc", -lib.FI_EIO),
+                                 message=f"engine: {ffi.string(self._ptr.error).decode(errors='replace')}")
+
+    def _join_worker(self) -> None:
+        running = getattr(self, "_running", None)
+        if running is None:
+            return
+        launched, finished = running
+        if not launched.wait(1.0):
+            self._running = None  # the thread never came to life
+            return
+        while not finished.is_set():
+            self._ptr.stop = 1
+            try:
+                finished.wait(0.1)
+            except KeyboardInterrupt:
+                pass  # already stopping
+        self._running = None
+
+    def counters(self) -> list[dict]:
+        out = []
+        for slot in self.nics.slots:
+            n = self._ptr.nics[slot.index]
+            out.append({"nic": slot.index, "domain": slot.domain_name, "emulated": slot.emulated, "group": n.group,
+                        "bytes": int(n.bytes), "writes": int(n.writes), "completions": int(n.completions),
+                        "eagain": int(n.eagain), "cq_polls": int(n.cq_polls), "errors": int(n.errors),
+                        "arrivals": int(n.arrivals), "more_flushes": int(n.more_flushes),
+                        "down": ffi.string(n.down_why).decode(errors="replace"),
+                        "resent": int(n.resent), "unreported": int(n.unreported), "retried": int(n.retried),
+                        "renewals": int(n.renewals)})
+        return out
+
+    def close(self) -> None:
+        if self._ptr is not None and self._ptr != ffi.NULL:
+            self._join_worker()
+            lib.fl_engine_free(self._ptr)
+        self._ptr = None
+
+    # ------------------------------------------------------------------- the service (fabriclab.Engine)
+
+    def attach_transfers(self, transfers: int) -> np.ndarray:
+        """Room for ``transfers`` transfer ids: TRANSFER_FIELDS int64 counters each, which the worker threads
+        update and the caller reads and sets (an id's writes before it hands them over). Returns that array,
+        kept alive here as long as the engine that writes into it."""
+        self._transfers = np.zeros(TRANSFER_FIELDS * transfers, dtype=np.int64)
+        self._ptr.transfers = ffi.cast("int64_t *", self._transfers.ctypes.data)
+        self._ptr.transfer_capacity = transfers
+        return self._transfers
+
+    def attach_immediates(self, values: int) -> None:
+        """Count arriving immediate data, for :meth:`take_immediates`, in a table of ``values`` distinct
+        values (a power of two)."""
+        self._imm_keys = np.zeros(values, dtype=np.uint64)
+        self._imm_counts = np.zeros(values, dtype=np.uint64)
+        self._ptr.imm_keys = ffi.cast("uint64_t *", self._imm_keys.ctypes.data)
+        self._ptr.imm_counts = ffi.cast("uint64_t *", self._imm_counts.ctypes.data)
+        self._ptr.imm_capacity = values
+
+    def start_service(self, threads: int, batch: int, fi_more: bool, timeout: float, link_timeout: float,
+                      cores: list[int]) -> None:
+        """Start ``threads`` worker threads (NIC slot i belongs to worker i % threads), each pinned to
+        ``cores[t]`` when cores are given. They post lazily, ``batch`` writes from their inbox per NIC per
+        pass; ``link_timeout`` seconds without a completion on a NIC with writes in flight marks the paths of
+        those writes down (0: never). Attach the transfers first."""
+        cfg = ffi.new("fl_config *")
+        # groups: the service drives no write run, so each worker is its own group
+        cfg.threads, cfg.groups, cfg.batch, cfg.lazy, cfg.fi_more = threads, threads, batch, 1, int(fi_more)
+        cfg.timeout_s = timeout
+        cfg.link_timeout_s = link_timeout
+        cfg.pin = int(bool(cores))
+        for i, core in enumerate(cores):
+            cfg.cores[i] = core
+        self._finished = ffi.new("uint32_t[]", WAIT_BATCH)
+        e = self._ptr
+        e.stop = 0
+        if lib.fl_service_start(e, cfg) != 0:
+            raise fi.FabricError("fl_service_start", e.error_code, message=ffi.string(e.error).decode())
+
+    def request(self, routes: np.ndarray, local_base: int, src: np.ndarray, dst: np.ndarray, stride: int,
+                lengths, imm: int, first_nic: int) -> Request:
+        """A request of ``len(src)`` writes: write i moves ``lengths[i]`` bytes (``lengths`` bytes when it is one
+        integer) from ``local_base + src[i] * stride`` to ``dst[i] * stride`` of the peer's region, over NIC
+        slot ``(first_nic + i) % nics`` through ``routes`` (ROUTE_DTYPE, one per slot, which must stay alive
+        until the transfer is done: the workers move writes to other NICs through it). Every write carries
+        ``imm`` (NO_IMM when the caller gave none)."""
+        uniform = np.isscalar(lengths)
+        src, dst = np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64)
+        src_c, dst_c = ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst)
+        lengths_c = ffi.NULL if uniform else ffi.from_buffer("uint64_t[]", np.ascontiguousarray(lengths, np.uint64))
+        routes_c = ffi.from_buffer("fl_route[]", routes)
+        c = ffi.new("fl_request *", {
+            "routes": routes_c, "local_base": local_base, "src": src_c, "dst": dst_c, "stride": stride,
+            "lengths": lengths_c, "length": lengths if uniform else 0, "count": src.size, "imm": imm,
+            "first_nic": first_nic})
+        return Request(c, (src_c, dst_c, lengths_c, routes_c))
+
+    def submit(self, request: Request, transfer: int, start: int = 0) -> int:
+        """Queue writes ``[start, count)`` of ``request``, counted against transfer id ``transfer``, to the
+        worker threads. Returns how many were taken: fewer when their inboxes are full (submit the rest
+        later)."""
+        request._c.transfer = transfer
+        return lib.fl_service_submit(self._ptr, request._c, start)
+
+    def release_writes(self, transfer: int, writes: int) -> None:
+        """``writes`` of ``transfer`` will never be handed over (their submission was given up): count them
+        as finished, so that the transfer can finish."""
+        lib.fl_transfer_release(self._ptr, transfer, writes)
+
+    def wait(self, timeout: float) -> list[int]:
+        """Up to ``timeout`` seconds (without the GIL) for transfers to finish; their ids (at most
+        WAIT_BATCH). Returns early, empty, on :meth:`wake` or when immediate data arrives while watched.
+        One waiting thread at a time."""
+        got = lib.fl_service_wait(self._ptr, self._finished, WAIT_BATCH, timeout)
+        return ffi.unpack(self._finished, got)
+
+    def wake(self) -> None:
+        """End the current :meth:`wait` now: something other than a transfer needs the waiter's attention."""
+        lib.fl_service_wake(self._ptr)
+
+    def watch_immediates(self, on: bool) -> None:
+        """While on, an arrival of immediate data ends :meth:`wait` (someone waits for such arrivals)."""
+        self._ptr.imm_watch = int(on)
+
+    def take_immediates(self, imm: int, count: int) -> bool:
+        """If at least ``count`` writes carrying ``imm`` have arrived, consume ``count`` of them: True."""
+        return bool(lib.fl_imm_take(self._ptr, imm, count))
+
+    @property
+    def stopping(self) -> bool:
+        """The engine was told to stop, or a worker failed: nothing more will be taken."""
+        return bool(self._ptr.stop)
+
+    def unreported_writes(self, index: int) -> int:
+        """Writes NIC slot ``index`` gave up on (sent again elsewhere) that the provider never reported on
+        the slot's current endpoint: an endpoint stuck behind them is renewed (:meth:`renew_nic`)."""
+        return int(self._ptr.nics[index].unreported_here)
+
+    def renewal_waiting(self, index: int) -> bool:
+        """A fresh endpoint handed to NIC slot ``index`` still waits for its worker to swap it in."""
+        return self._ptr.nics[index].next_ep != ffi.NULL
+
+    def park_worker(self, index: int, timeout: float) -> bool:
+        """Have the worker that owns NIC slot ``index`` sleep, touching none of its NICs, until
+        :meth:`unpark_worker`: a provider may progress an endpoint bound to a CQ as soon as it is bound (shm
+        does, and crashes on one not enabled yet), so a fresh endpoint is opened only while its worker is
+        parked. False when it did not park within ``timeout`` seconds, or the engine stops."""
+        return bool(lib.fl_worker_park(self._ptr, index, timeout))
+
+    def unpark_worker(self, index: int) -> None:
+        lib.fl_worker_unpark(self._ptr, index)
+
+    def renew_nic(self, index: int, endpoint: fi.Endpoint) -> bool:
+        """Hand NIC slot ``index`` a fresh endpoint (its domain, bound to its CQ and AV, enabled), swapped in by
+        its worker at the next :meth:`revive`. The caller keeps the old endpoint open (late completions, and
+        peers writing to its address). False when one is already waiting: the caller keeps ``endpoint``."""
+        return bool(lib.fl_nic_renew(self._ptr, index, endpoint._ptr))
+
+    def revive(self) -> None:
+        """Every worker forgets the paths it had marked dead and swaps in the endpoints handed over with
+        :meth:`renew_nic`, on its own thread, before it posts anything submitted after this."""
+        lib.fl_service_revive(self._ptr)
+
+    def stop_service(self) -> None:
+        """Stop the worker threads and join them; what they had not finished stays unfinished."""
+        lib.fl_service_stop(self._ptr)

@@ -1,0 +1,45 @@
+/* The library's service over the engine core: what fabriclab.Engine (fabriclab/_native.py) calls. */
+#ifndef FABRICLAB_SERVICE_H
+#define FABRICLAB_SERVICE_H
+#include "core.h"
+
+/* Service mode: worker threads that post what fl_service_submit hands them, reap completions (counting
+ * them against their transfer) and count arriving immediate data, until fl_service_stop. */
+int fl_service_start(fl_engine *e, const fl_config *cfg);
+/* One request of fabriclab.Engine: `count` writes, write i from local_base + src[i] * stride to
+ * dst[i] * stride of the peer's region, lengths[i] bytes (or `length` when lengths is NULL), over NIC
+ * (first_nic + i) % nnics through routes[that NIC]. */
+typedef struct fl_request {
+    const fl_route *routes;
+    uint64_t local_base;
+    const int64_t *src, *dst;
+    uint64_t stride;
+    const uint64_t *lengths;
+    uint64_t length;
+    uint64_t count;
+    uint64_t imm;
+    uint32_t transfer;
+    uint32_t first_nic;
+} fl_request;
+/* Queue writes [start, count) of a request to the worker threads; returns how many were taken (fewer
+ * when the inboxes are full: submit the rest later). */
+uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
+/* Wait up to timeout_s for transfers to finish (every write completed or failed); writes their ids to
+ * `ids` (at most max) and returns how many. Returns early, with 0, on fl_service_wake or when
+ * immediate data arrives while e->imm_watch is set. Call without holding Python's GIL. */
+int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
+void fl_service_wake(fl_engine *e);
+void fl_service_stop(fl_engine *e);
+/* Revival (Engine.connect): every worker forgets the paths it had marked dead and swaps in the fresh
+ * endpoints handed over with fl_nic_renew, on its own thread, before it posts anything else. */
+void fl_service_revive(fl_engine *e);
+/* Park the worker that owns NIC slot `nic` (it sleeps, touching none of its NICs, until fl_worker_unpark), so
+ * that Python can open an endpoint bound to that slot's CQ and AV: shm progresses every endpoint bound to a
+ * CQ it reads, even one not enabled yet. 1 once parked; 0 after timeout_s or when the engine stops. */
+int fl_worker_park(fl_engine *e, int nic, double timeout_s);
+void fl_worker_unpark(fl_engine *e, int nic);
+/* Hand NIC slot `nic` a fresh endpoint (same domain, bound to the slot's CQ and AV, enabled), swapped in by
+ * its worker at the next fl_service_revive. The old endpoint must stay open (late completions, and peers
+ * writing to its address). 0 when one is already waiting (the caller keeps ep), else 1. */
+int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep);
+#endif
