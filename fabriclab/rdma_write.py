@@ -24,6 +24,7 @@ import numpy as np
 
 from . import bidirectional, cli, fi, memory
 from .bidirectional import Client, Mailbox
+from .unidirectional import EndpointUser
 
 PREPARE, REGION, DONE, REPORT = range(6, 10)
 REFUSED = 12  # the target could not do what was asked; the payload says why
@@ -118,7 +119,7 @@ class TargetMailbox(Mailbox):
         self.registration.after_receive(page * self.plan.page_size, self.plan.page_length(page))
 
 
-class Target:
+class Target(EndpointUser):
     """Serves writers: registers a region per PREPARE, counts what lands, verifies on DONE."""
 
     CONTROL_PAYLOAD = 4096  # largest control message; the multi-NIC target needs more
@@ -176,16 +177,9 @@ class Target:
             self.buffer.close()
             self.buffer = None
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        """Leaving a ``with`` block releases the target's regions, then closes the endpoint stack it was given."""
-        try:
-            self.release()
-        finally:
-            self.stack.close()
-        return False
+    def close(self) -> None:
+        """Release the target's regions (the with-block then closes its endpoint stack)."""
+        self.release()
 
     @property
     def address(self) -> fi.Address:

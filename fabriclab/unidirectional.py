@@ -83,7 +83,26 @@ class ServerSilent(fi.FabricTimeout):
         self.timeout = timeout
 
 
-class Sender:
+class EndpointUser:
+    """Something built on an endpoint stack it was given: ``close()`` gives back what it made, and leaving a
+    ``with`` block closes it, then the stack (its one user)."""
+    stack: fi.EndpointStack
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.close()
+        finally:
+            self.stack.close()
+        return False
+
+
+class Sender(EndpointUser):
     """The sending side: one server, known by the address it printed."""
 
     def __init__(self, stack: fi.EndpointStack, server_address, timeout: float = fi.DEFAULT_TIMEOUT):
@@ -143,17 +162,6 @@ class Sender:
         if self._mr is not None:
             self._mr.close()
             self._mr = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        """Leaving a ``with`` block closes this sender, then the endpoint stack it was given (its one user)."""
-        try:
-            self.close()
-        finally:
-            self.stack.close()
-        return False
 
 
 def serve(args, stop: cli.StopSignal) -> int:

@@ -83,8 +83,7 @@ def check_fabric(entries: list[fi.Info]) -> Check:
     return Check("fabric", found)
 
 
-def check_nics(entries: list[fi.Info]) -> Check:
-    domains = fi_domains(entries)
+def check_nics(domains: list[fi.Info]) -> Check:
     parts = []
     for info in domains[:8]:
         nic = info.nic
@@ -98,13 +97,6 @@ def check_nics(entries: list[fi.Info]) -> Check:
     if len(domains) == 1 and domains[0].provider not in HARDWARE_PROVIDERS:
         found += "; asking for more NICs gives emulated ones (endpoints sharing this one)"
     return Check("NICs", found)
-
-
-def fi_domains(entries: list[fi.Info]) -> list[fi.Info]:
-    seen: dict[str, fi.Info] = {}
-    for info in entries:
-        seen.setdefault(info.domain, info)
-    return list(seen.values())
 
 
 def check_immediate_data(info: fi.Info) -> Check:
@@ -182,7 +174,7 @@ def diagnose(provider: str | None = None) -> list[Check]:
     chosen_check, chosen = check_provider(provider)
     checks.append(chosen_check)
     entries = fi.getinfo(chosen)
-    checks += [check_fabric(entries), check_nics(entries), check_immediate_data(entries[0]),
+    checks += [check_fabric(entries), check_nics(fi.domains(chosen)), check_immediate_data(entries[0]),
                check_queue_depths(entries[0]), check_gpu_memory(chosen), check_same_host_path(chosen)]
     checks += check_grouping(topology.Topology.discover(provider=chosen))
     return checks
