@@ -19,8 +19,20 @@ def add_fabric_options(parser: argparse.ArgumentParser) -> None:
                         help="libfabric provider (default: $FABRICLAB_PROVIDER, else the best available)")
     parser.add_argument("--domain", default=None,
                         help="domain / NIC name, e.g. lo under tcp;ofi_rxm (default: $FABRICLAB_DOMAIN or the first)")
+    parser.add_argument("--fabric", type=fabric_name, default=None, metavar="NAME",
+                        help="the provider's fabric, e.g. efa-direct where efa lists two (default: "
+                             "$FABRICLAB_FABRIC, else the one named like the provider)")
     parser.add_argument("--timeout", type=positive_seconds, default=fi.DEFAULT_TIMEOUT,
                         help="seconds any single wait may take before it is an error (default %(default)s)")
+
+
+def fabric_name(text: str) -> str:
+    """argparse type for --fabric: it becomes $FABRICLAB_FABRIC, so every NIC set this process opens, and
+    the peers it starts (bench's server), ask for the same fabric: both sides of a write must share it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--fabric needs a name such as efa or efa-direct")
+    os.environ["FABRICLAB_FABRIC"] = text
+    return text
 
 
 def positive_size(text: str) -> int:

@@ -44,6 +44,10 @@ PREFERRED_PROVIDERS = ("efa", "verbs;ofi_rxm", "shm", "tcp;ofi_rxm")
 DEFAULT_TIMEOUT = 10.0
 
 DEFAULT_CAPS = lib.FI_MSG | lib.FI_RMA
+#: Bytes of immediate data every write carries (a page's or write's sequence number, lesson 06): the hints
+#: ask for at least this ``cq_data_size``, so a fabric offering less (some efa-direct releases offer 0) is
+#: never chosen, instead of failing at the first write.
+IMMEDIATE_DATA_BYTES = 4
 # The registration modes fabriclab knows how to honour; the provider picks the ones it needs.
 SUPPORTED_MR_MODES = (lib.FI_MR_LOCAL | lib.FI_MR_VIRT_ADDR | lib.FI_MR_ALLOCATED | lib.FI_MR_PROV_KEY
                       | lib.FI_MR_ENDPOINT | lib.FI_MR_HMEM)
@@ -313,7 +317,7 @@ class Info:
         return f"<Info provider={self.provider!r} domain={self.domain!r} fabric={self.fabric!r}>"
 
 
-def _hints(provider: str | None, caps: int, ep_type: int):
+def _hints(provider: str | None, caps: int, ep_type: int, cq_data_size: int = 0):
     hints = lib.fi_allocinfo()
     if hints == ffi.NULL:
         raise MemoryError("fi_allocinfo")
@@ -321,13 +325,14 @@ def _hints(provider: str | None, caps: int, ep_type: int):
     hints.mode = SUPPORTED_MODES
     hints.ep_attr.type = ep_type
     hints.domain_attr.mr_mode = SUPPORTED_MR_MODES
+    hints.domain_attr.cq_data_size = cq_data_size
     if provider:
         hints.fabric_attr.prov_name = lib.strdup(provider.encode())  # fi_freeinfo frees it
     return hints
 
 
-def _getinfo_raw(provider: str | None, caps: int, ep_type: int) -> list[Info]:
-    hints = _hints(provider, caps, ep_type)
+def _getinfo_raw(provider: str | None, caps: int, ep_type: int, cq_data_size: int = 0) -> list[Info]:
+    hints = _hints(provider, caps, ep_type, cq_data_size)
     out = ffi.new("struct fi_info **")
     try:
         rc = _keeping_signal_handlers(lib.fi_getinfo, api_version(), ffi.NULL, ffi.NULL, 0, hints, out)
@@ -389,28 +394,44 @@ def same_host_fabric(provider: str | None = None) -> tuple[str, str | None]:
 
 
 def getinfo(provider: str | None = None, domain: str | None = None, *, caps: int = DEFAULT_CAPS,
-            hmem: bool | None = False, ep_type: int = lib.FI_EP_RDM) -> list[Info]:
-    """fi_getinfo for reliable-datagram endpoints: every (provider, domain) entry that fits.
+            hmem: bool | None = False, ep_type: int = lib.FI_EP_RDM, fabric: str | None = None,
+            cq_data_size: int = IMMEDIATE_DATA_BYTES) -> list[Info]:
+    """fi_getinfo for reliable-datagram endpoints: every (provider, fabric, domain) entry that fits.
 
     ``provider`` defaults to $FABRICLAB_PROVIDER, then the best available (see PREFERRED_PROVIDERS);
-    ``domain`` (a NIC name such as ``lo`` or ``rdmap79s0-rdm``) defaults to $FABRICLAB_DOMAIN when that
+    ``fabric`` (such as ``efa`` or ``efa-direct``, which list the same domains) to $FABRICLAB_FABRIC, else
+    every fabric; ``domain`` (a NIC name such as ``lo`` or ``rdmap79s0-rdm``) to $FABRICLAB_DOMAIN when that
     names one of the provider's domains, else all of them. ``hmem=False`` (host memory only) leaves
     FI_HMEM out, ``True`` insists on it, ``None`` asks for it and quietly drops it when not offered.
+    ``cq_data_size``: the least immediate data asked for in the hints (0 shows every entry).
     """
     provider = provider or default_provider(caps)
     if not isinstance(provider, str) or not provider.strip():
         raise UsageError("provider must be a non-empty string such as 'shm' or 'tcp;ofi_rxm'")
     infos = []
     if hmem is not False:
-        infos = _getinfo_raw(provider, caps | lib.FI_HMEM, ep_type)
+        infos = _getinfo_raw(provider, caps | lib.FI_HMEM, ep_type, cq_data_size)
     if not infos and not hmem:
-        infos = _getinfo_raw(provider, caps, ep_type)
+        infos = _getinfo_raw(provider, caps, ep_type, cq_data_size)
     if not infos:
         available = available_providers(caps, ep_type)
         if provider in available and hmem:
             raise UsageError(f"provider {provider!r} does not offer FI_HMEM (device memory) here")
+        if provider in available and cq_data_size:
+            raise UsageError(f"provider {provider!r} offers less than {cq_data_size} bytes of immediate data "
+                             "(cq_data_size) here, which every write carries; `python -m fabriclab doctor` "
+                             "shows what it offers")
         raise UsageError(f"unknown or unusable provider {provider!r}; available here: "
                          f"{', '.join(available) or 'none'} (set --provider or FABRICLAB_PROVIDER)")
+    fabric = fabric or os.environ.get("FABRICLAB_FABRIC")
+    if fabric:
+        named = [i for i in infos if i.fabric == fabric]
+        if not named:
+            names = ", ".join(dict.fromkeys(i.fabric for i in infos))
+            raise UsageError(f"provider {provider!r} has no fabric {fabric!r} (with {cq_data_size}-byte immediate "
+                             f"data); its fabrics here: {names} (set --fabric or FABRICLAB_FABRIC)")
+        infos = named
+    infos = provider_fabric_first(infos)
     wanted = domain or os.environ.get("FABRICLAB_DOMAIN")
     if wanted:
         chosen = [i for i in infos if i.domain == wanted]
@@ -422,14 +443,31 @@ def getinfo(provider: str | None = None, domain: str | None = None, *, caps: int
     return infos
 
 
-def domains(provider: str | None = None, *, caps: int = DEFAULT_CAPS) -> list[Info]:
-    """One Info per distinct domain (NIC) of a provider, in fi_getinfo's order."""
-    seen, out = set(), []
-    for info in getinfo(provider, caps=caps):
-        if info.domain not in seen:
-            seen.add(info.domain)
-            out.append(info)
-    return out
+def domains(provider: str | None = None, *, caps: int = DEFAULT_CAPS, hmem: bool | None = False,
+            fabric: str | None = None, cq_data_size: int = IMMEDIATE_DATA_BYTES) -> list[Info]:
+    """One Info per distinct domain (NIC) of a provider: the NICs fabriclab drives.
+
+    Where one domain is listed under several fabrics, getinfo puts the fabric named like the provider
+    first, else keeps libfabric's order: libfabric 2.x lists each EFA NIC as ``efa-direct`` first and
+    ``efa`` (RDM, with its same-host path and emulated protocols) second, and fabriclab wants ``efa`` unless
+    ``fabric`` (or $FABRICLAB_FABRIC) names another. tcp lists a NIC once per address family; the first
+    is kept.
+    """
+    return one_fabric_per_nic(getinfo(provider, caps=caps, hmem=hmem, fabric=fabric, cq_data_size=cq_data_size))
+
+
+def provider_fabric_first(infos: list[Info]) -> list[Info]:
+    """The entries, those whose fabric is named like their provider first (``efa`` before ``efa-direct``),
+    otherwise in libfabric's order: so ``getinfo(...)[0]`` and every NIC set take the RDM fabric on EFA."""
+    return sorted(infos, key=lambda i: i.fabric != i.provider)
+
+
+def one_fabric_per_nic(infos: list[Info]) -> list[Info]:
+    """One entry per domain (NIC), the first of provider_fabric_first's order."""
+    chosen: dict[str, Info] = {}
+    for info in provider_fabric_first(infos):
+        chosen.setdefault(info.domain, info)
+    return list(chosen.values())
 
 
 # ----------------------------------------------------------------------------------- resource tree
@@ -724,10 +762,7 @@ class CompletionQueue(Resource):
             self._backlog.extend(self.poll())
 
     def _raise_error_entry(self):
-        # A provider may hand back error data of its own (efa does): with err_data_size 0 it gives its own
-        # buffer; a stale size and pointer left from the last entry would have it write through them.
-        self._err.err_data, self._err.err_data_size = ffi.NULL, 0
-        rc = lib.fi_cq_readerr(self._ptr, self._err, 0)
+        rc = lib.fi_cq_readerr(self._ptr, fresh_error_entry(self._err), 0)
         if rc < 0:
             raise FabricError("fi_cq_readerr", rc)
         err = self._err
@@ -914,6 +949,28 @@ class RemoteRegion:
                              f"{self.length}-byte region")
 
 
+def gpu_direct_verdict(provider: str, rc: int) -> tuple[bool | None, str]:
+    """What fi_setopt(FI_OPT_CUDA_API_PERMITTED, false)'s return code says about GPUDirect RDMA (see
+    Endpoint._forbid_cuda_api): 0 yes; -FI_EOPNOTSUPP no (the provider needs the CUDA API to move GPU
+    memory); -FI_EINVAL no (no CUDA library or device); anything else, the provider does not say."""
+    if rc == 0:
+        return True, f"{provider} moves GPU memory without the CUDA API (GPUDirect RDMA)"
+    if rc == -lib.FI_EOPNOTSUPP:
+        return False, f"{provider} moves GPU memory only through the CUDA API (no GPUDirect RDMA: no dmabuf or " \
+                      "nvidia-peermem)"
+    if rc == -lib.FI_EINVAL:
+        return False, f"{provider} sees no CUDA library or device"
+    return None, f"{provider} does not answer the CUDA-API question ({errno_name(-rc)})"
+
+
+def fresh_error_entry(entry):
+    """The reused fi_cq_err_entry, ready for the next fi_cq_readerr: a provider may hand back error data of
+    its own (efa does), into its own buffer when err_data_size is 0; a stale size and pointer left by the
+    previous entry would have it write through them."""
+    entry.err_data, entry.err_data_size = ffi.NULL, 0
+    return entry
+
+
 class Endpoint(Resource):
     """fi_endpoint bound to a completion queue (transmit and receive) and an address vector, enabled."""
 
@@ -927,6 +984,7 @@ class Endpoint(Resource):
         self._opened(out[0])
         check(lib.fi_ep_bind(self._ptr, cq._fid(), lib.FI_TRANSMIT | lib.FI_RECV), "fi_ep_bind(cq)")
         check(lib.fi_ep_bind(self._ptr, av._fid(), 0), "fi_ep_bind(av)")
+        self.gpu_direct, self.gpu_direct_why = self._forbid_cuda_api() if self.info.hmem else (None, "")
         rc = _keeping_signal_handlers(lib.fi_enable, self._ptr)
         if rc == -_errno.EBUSY:
             # shm: a region left in /dev/shm by a killed process whose pid has come round again; the
@@ -942,6 +1000,19 @@ class Endpoint(Resource):
         self._msg.iov_count = 1
         self._msg.rma_iov = self._rma_iov
         self._msg.rma_iov_count = 1
+
+    def _forbid_cuda_api(self) -> tuple[bool | None, str]:
+        """Whether GPU memory moves by GPUDirect RDMA on this endpoint: (True, ""), (False, why) or (None,
+        why) where the provider does not say. Asked before fi_enable by forbidding the endpoint the CUDA
+        API (FI_OPT_CUDA_API_PERMITTED, libfabric >= 1.18): a provider whose GPU support is cudaMemcpy
+        through bounce buffers refuses, and GPU memory then goes through fabriclab's staged path, said as
+        such, instead of a "direct" path that is a hidden copy (efa RDM without dmabuf or nvidia-peermem)."""
+        if lib.FL_OPT_CUDA_API_PERMITTED < 0 or api_version() < fi_version(1, 18):
+            return None, f"libfabric API {api_version() >> 16}.{api_version() & 0xFFFF} predates the CUDA-API check"
+        permitted = ffi.new("bool *", False)
+        rc = lib.fi_setopt(ffi.addressof(self._ptr[0], "fid"), lib.FI_OPT_ENDPOINT, lib.FL_OPT_CUDA_API_PERMITTED,
+                           permitted, ffi.sizeof("bool"))
+        return gpu_direct_verdict(self.info.provider, rc)
 
     @property
     def name(self) -> bytes:

@@ -2,7 +2,8 @@
 is registered with a NIC.
 
 GPU memory is registered directly (FI_HMEM with iface FI_HMEM_CUDA — GPUDirect RDMA on p5) when the
-provider offers FI_HMEM and the registration succeeds. Otherwise the data is staged through pinned host
+provider offers FI_HMEM, its endpoint moves GPU memory without the CUDA API (``Endpoint.gpu_direct``: a
+provider copying through its own bounce buffers is no direct path) and the registration succeeds. Otherwise the data is staged through pinned host
 memory: the NIC sees the pinned copy, and every page is copied between it and the GPU as it is sent or
 as it lands. ``Registration.path`` says which of ``host``, ``cuda-direct``, ``cuda-staged`` ran.
 """
@@ -175,7 +176,9 @@ def register(stack: fi.EndpointStack, buffer, staging: HostBuffer | None = None,
     if buffer.kind == "host":
         return Registration(buffer, stack.register(buffer.array, access=access), "host")
     why = f"provider {stack.info.provider} does not offer FI_HMEM"
-    if stack.info.hmem:
+    if stack.ep.gpu_direct is False:  # FI_HMEM offered, but the copies would be the provider's cudaMemcpy
+        why = stack.ep.gpu_direct_why
+    elif stack.info.hmem:
         try:
             mr = stack.register(pointer=buffer.pointer, length=buffer.length, iface=fi.lib.FI_HMEM_CUDA,
                                 device=buffer.device, keepalive=buffer, access=access)

@@ -34,10 +34,9 @@ class NicSet:
                  memory_kind: str = "host"):
         if isinstance(domains, str):
             domains = [d for d in domains.split(",") if d]
-        infos = fi.getinfo(provider, hmem=None if memory_kind == "cuda" else False)
-        by_domain: dict[str, fi.Info] = {}
-        for info in infos:
-            by_domain.setdefault(info.domain, info)
+        # One fabric per NIC, chosen by name (fi.domains): on EFA the RDM fabric, not efa-direct listed first
+        infos = fi.domains(provider, hmem=None if memory_kind == "cuda" else False)
+        by_domain = {info.domain: info for info in infos}
         wanted = domains or [d for d in os.environ.get("FABRICLAB_DOMAIN", "").split(",") if d] or list(by_domain)
         missing = [d for d in wanted if d not in by_domain]
         if missing:
@@ -72,7 +71,9 @@ class NicSet:
         return sum(s.emulated for s in self.slots)
 
     def describe(self) -> str:
-        text = f"{len(self.slots)} NIC(s) on {self.provider}: {', '.join(s.domain_name for s in self.slots[:8])}"
+        fabric = self.slots[0].info.fabric
+        text = (f"{len(self.slots)} NIC(s) on {self.provider} (fabric {fabric}): "
+                f"{', '.join(s.domain_name for s in self.slots[:8])}")
         if len(self.slots) > 8:
             text += ", ..."
         if self.emulated:

@@ -68,8 +68,11 @@ def test_too_small_immediate_data_or_queues_are_called_out():
     assert doctor.verdict_line([doctor.check_immediate_data(entry)]).startswith("verdict: will fail")
 
 
-def test_efa_direct_first_is_called_out():
-    entries = [types.SimpleNamespace(fabric="efa-direct"), types.SimpleNamespace(fabric="efa")]
-    check = doctor.check_fabric(entries)
-    assert check.verdict == doctor.SLOW and "also offered: efa" in check.found
-    assert doctor.check_fabric(entries[::-1]).verdict == doctor.OK
+def test_efa_direct_is_called_out_and_short_immediate_data_fails():
+    def entry(fabric, domain="rdmap79s0-rdm"):
+        return types.SimpleNamespace(fabric=fabric, provider="efa", domain=domain)
+    listed = [entry("efa-direct"), entry("efa")]
+    assert doctor.check_fabric(listed, [entry("efa")]).verdict == doctor.OK
+    check = doctor.check_fabric(listed, [entry("efa-direct")])
+    assert check.verdict == doctor.SLOW and "also offered: efa" in check.found and "--fabric efa" in check.fix
+    assert doctor.check_fabric(listed, []).verdict == doctor.FAIL  # no fabric offers 4-byte immediate data

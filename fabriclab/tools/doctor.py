@@ -16,12 +16,10 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from .. import fi, gpu, topology
+from .. import cli, fi, gpu, topology
 
 OK, SLOW, FAIL = "ok", "slow", "will fail"
 HARDWARE_PROVIDERS = ("efa", "verbs")
-#: Writes carry a 4-byte immediate (the page's sequence number): a smaller cq_data_size cannot take it.
-IMMEDIATE_BYTES = 4
 #: Fewer transmit slots than this caps the writes one NIC keeps in flight below what the stages post.
 USEFUL_TX_DEPTH = 64
 #: How efa RDM reaches a peer on its own host; on by default in libfabric.
@@ -72,14 +70,22 @@ def check_provider(provider: str | None) -> tuple[Check, str]:
                  "chosen"), chosen
 
 
-def check_fabric(entries: list[fi.Info]) -> Check:
-    fabrics = list(dict.fromkeys(i.fabric for i in entries))
-    used = entries[0].fabric  # fabriclab keeps a domain's first entry
-    found = f"{used}" + (f" (also offered: {', '.join(f for f in fabrics if f != used)})" if len(fabrics) > 1 else "")
+def check_fabric(listed: list[fi.Info], nics: list[fi.Info]) -> Check:
+    """``listed``: every entry of the provider; ``nics``: the ones fabriclab drives (fi.domains)."""
+    fabrics = list(dict.fromkeys(i.fabric for i in listed))
+    if not nics:
+        return Check("fabric", f"offered: {', '.join(fabrics)}; none with {fi.IMMEDIATE_DATA_BYTES}-byte immediate "
+                               "data", FAIL, "use a provider or fabric whose cq_data_size is at least "
+                                             f"{fi.IMMEDIATE_DATA_BYTES} (efa RDM's is)")
+    used = nics[0].fabric
+    why = ("named by --fabric or $FABRICLAB_FABRIC" if os.environ.get("FABRICLAB_FABRIC")
+           else "named like the provider" if used == nics[0].provider else "the first listed")
+    found = f"{used} ({why})" + (f"; also offered: {', '.join(f for f in fabrics if f != used)}"
+                                 if len(fabrics) > 1 else "")
     if used == "efa-direct":
         return Check("fabric", found, SLOW,
-                     "efa-direct limits sends to one MTU and has no shared-memory path; ask for the RDM fabric "
-                     "(fi_info -p efa -f efa lists it)")
+                     "efa-direct limits sends to one MTU and has no shared-memory path or emulated protocols; use "
+                     "the RDM fabric (--fabric efa, or unset FABRICLAB_FABRIC)")
     return Check("fabric", found)
 
 
@@ -101,10 +107,10 @@ def check_nics(domains: list[fi.Info]) -> Check:
 
 def check_immediate_data(info: fi.Info) -> Check:
     found = f"cq_data_size {info.cq_data_size} bytes"
-    if info.cq_data_size < IMMEDIATE_BYTES:
+    if info.cq_data_size < fi.IMMEDIATE_DATA_BYTES:
         return Check("immediate data", found, FAIL,
-                     f"writes carry a {IMMEDIATE_BYTES}-byte immediate; use a provider or fabric that offers it "
-                     "(efa RDM does)")
+                     f"writes carry a {fi.IMMEDIATE_DATA_BYTES}-byte immediate; use a provider or fabric that offers "
+                     "it (efa RDM does)")
     return Check("immediate data", found)
 
 
@@ -122,13 +128,19 @@ def check_gpu_memory(provider: str) -> Check:
     if status != "ok":
         return Check("GPU memory", f"no CUDA here ({status}): host memory only")
     devices = gpu.devices()
-    hmem = fi.getinfo(provider, hmem=None)[0].hmem
-    found = f"{len(devices)} GPU(s); provider {provider} {'offers' if hmem else 'does not offer'} FI_HMEM"
-    if hmem:
-        return Check("GPU memory", found + ": GPU memory is registered with the NIC (direct)")
-    return Check("GPU memory", found + ": GPU memory is staged through pinned host memory", SLOW,
-                 "GPUDirect RDMA needs a provider with FI_HMEM (efa on p5, with the EFA installer's libfabric and "
-                 "nvidia-peermem or dmabuf)")
+    info = fi.getinfo(provider, hmem=None)[0]
+    found = f"{len(devices)} GPU(s); provider {provider} {'offers' if info.hmem else 'does not offer'} FI_HMEM"
+    fix = ("GPUDirect RDMA needs a provider with FI_HMEM that moves GPU memory without the CUDA API (efa on p5, "
+           "with the EFA installer's libfabric and nvidia-peermem or dmabuf)")
+    if not info.hmem:
+        return Check("GPU memory", found + ": GPU memory is staged through pinned host memory", SLOW, fix)
+    with fi.EndpointStack(info) as stack:  # the endpoint answers the CUDA-API question (fi.gpu_direct_verdict)
+        direct, why = stack.ep.gpu_direct, stack.ep.gpu_direct_why
+    if direct:
+        return Check("GPU memory", f"{found}; {why}: GPU memory is registered with the NIC (direct)")
+    if direct is None:
+        return Check("GPU memory", f"{found}; {why}: direct if the registration succeeds (not checked further)")
+    return Check("GPU memory", f"{found}, but {why}: GPU memory is staged through pinned host memory", SLOW, fix)
 
 
 def check_same_host_path(provider: str) -> Check:
@@ -173,9 +185,14 @@ def diagnose(provider: str | None = None) -> list[Check]:
     checks = [check_libfabric()]
     chosen_check, chosen = check_provider(provider)
     checks.append(chosen_check)
-    entries = fi.getinfo(chosen)
-    checks += [check_fabric(entries), check_nics(fi.domains(chosen)), check_immediate_data(entries[0]),
-               check_queue_depths(entries[0]), check_gpu_memory(chosen), check_same_host_path(chosen)]
+    listed = fi.getinfo(chosen, cq_data_size=0)  # every entry, those short of immediate data too
+    try:
+        nics = fi.domains(chosen)
+    except fi.UsageError:  # no fabric with enough immediate data: reported by the checks below
+        nics = []
+    shown = nics or fi.domains(chosen, cq_data_size=0)
+    checks += [check_fabric(listed, nics), check_nics(shown), check_immediate_data(shown[0]),
+               check_queue_depths(shown[0]), check_gpu_memory(chosen), check_same_host_path(chosen)]
     checks += check_grouping(topology.Topology.discover(provider=chosen))
     return checks
 
@@ -214,6 +231,9 @@ def format_report(checks: list[Check]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", default=None, help="check this provider (default: the one fabriclab would pick)")
+    parser.add_argument("--fabric", type=cli.fabric_name, default=None, metavar="NAME",
+                        help="check this fabric of the provider (default: $FABRICLAB_FABRIC, else the one named "
+                             "like the provider)")
     parser.add_argument("--recorded", metavar="NAME", default=None,
                         help=f"check a recorded machine's layout ({', '.join(topology.recorded_names())})")
     parser.add_argument("--json", action="store_true", help="one JSON object: the checks and the verdict")
