@@ -60,6 +60,7 @@ class NativeEngine:
             n.ep = slot.ep._ptr
             n.cq = slot.cq._ptr
             n.max_in_flight = max(1, slot.info.tx_size)
+            n.cq_data_size = slot.info.cq_data_size
             if registrations:
                 n.desc = registrations[slot.index].mr.desc
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _native, fi, shmclean
-from .nics import NicSet, NicSlot, unique_registrations, worker_cores
+from .nics import NicSet, NicSlot, host_identity, same_host_path, unique_registrations, worker_cores
 
 FabriclabError, UsageError = fi.FabriclabError, fi.UsageError  # the error root, and bad input (exported)
 
@@ -437,8 +437,9 @@ class RemoteRegion:
 # ------------------------------------------------------------------------------------------- peers
 
 
-def _parse_address(address) -> tuple[int, list]:
-    """(engine id, per-NIC fi.Address) of an Engine.address; InvalidDescriptor for anything else."""
+def _parse_address(address) -> tuple[int, list, bytes]:
+    """(engine id, per-NIC fi.Address, host identity) of an Engine.address; InvalidDescriptor for anything
+    else."""
     body = _unseal(address, _ADDRESS_MAGIC, "engine address")
     if len(body) < 4 + 10:
         raise InvalidDescriptor("engine address is truncated: it has no NIC count")
@@ -456,19 +457,21 @@ def _parse_address(address) -> tuple[int, list]:
         except fi.UsageError as exc:
             raise InvalidDescriptor(f"engine address is malformed: NIC entry {i}: {exc}") from None
         offset += 2 + size
-    if offset != len(body) or not addresses:
+    if offset + len(host_identity()) != len(body) or not addresses:
         raise InvalidDescriptor("engine address is truncated or malformed")
-    return engine_id, addresses
+    return engine_id, addresses, body[offset:]
 
 
 class Peer:
     """Another engine, reached through every one of our NICs. Writes are striped across them."""
 
     def __init__(self, engine: "Engine", address):
-        engine_id, addresses = _parse_address(address)
+        engine_id, addresses, host = _parse_address(address)
         service = engine._service
         n = len(addresses)
         self.engine, self.id, self.nics = engine, engine_id, n
+        #: how writes reach this peer: "the NICs", or shared memory where the provider takes a same-host detour
+        self.path = same_host_path(service.nics.provider, host == host_identity())
         # our NIC i talks to the peer's NIC i (modulo its count): the peer's key for it is keys[i % n]
         self.remote_slot = [i % n for i in range(len(service.nics.slots))]
         self.fi_addrs = []
@@ -565,7 +568,7 @@ class Peer:
         self.closed = True
 
     def __repr__(self) -> str:
-        return f"<Peer {self.id:#x} over {self.nics} NIC(s){' closed' if self.closed else ''}>"
+        return f"<Peer {self.id:#x} over {self.nics} NIC(s) through {self.path}{' closed' if self.closed else ''}>"
 
 
 # ------------------------------------------------------------------------------------------ engine
@@ -641,7 +644,7 @@ class Engine:
         for slot in slots:
             raw = slot.ep.address().to_bytes()
             body += struct.pack("<H", len(raw)) + raw
-        return _seal(body)
+        return _seal(body + host_identity())
 
     @property
     def nics(self) -> int:

@@ -8,6 +8,7 @@ to, near their NICs (lesson 12, chapter 12).
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -124,6 +125,44 @@ class _SlotStack:
 
     def register(self, buffer=None, **kw) -> fi.MemoryRegion:
         return fi.MemoryRegion(self.domain, buffer, endpoint=self.ep, **kw)
+
+
+#: Providers that reach a peer on their own host through shared memory rather than their NICs, and the
+#: variable that turns that path off (read when libfabric starts the provider). efa RDM does, by default.
+SAME_HOST_SHM_SWITCHES = {"efa": "FI_EFA_ENABLE_SHM_TRANSFER"}
+_OFF = ("0", "false", "no", "off")
+
+
+@functools.cache
+def host_identity() -> bytes:
+    """16 bytes naming this running host (its boot id): equal in two engines exactly when they share a host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return bytes.fromhex(f.read().strip().replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return os.uname().nodename.encode()[:16].ljust(16, b"\0")
+
+
+def same_host_path(provider: str, same_host: bool) -> str:
+    """How writes reach a peer: through the NICs, or (same host) through a provider's shared-memory path."""
+    if provider == "shm":
+        return "shared memory (the shm provider)"
+    switch = SAME_HOST_SHM_SWITCHES.get(provider.split(";")[0])
+    if same_host and switch and os.environ.get(switch, "1").lower() not in _OFF:
+        return f"shared memory ({provider} reaches a peer on its own host that way; {switch}=0 uses the NICs)"
+    return "the NICs"
+
+
+def measure_the_nics() -> str:
+    """For benchmarks and lessons that mean to measure NICs: turn every provider's same-host shared-memory
+    path off (unless the user set the switch), before libfabric starts the provider and for the peers this
+    process starts. Returns what was set, to be printed ("" when nothing was)."""
+    set_now = []
+    for switch in SAME_HOST_SHM_SWITCHES.values():
+        if switch not in os.environ:
+            os.environ[switch] = "0"
+            set_now.append(f"{switch}=0")
+    return ", ".join(set_now)
 
 
 def release_nics(owner) -> None:

@@ -111,6 +111,19 @@ static inline void count_finished(thread_ctx *t) {
 }
 
 static void abandoned_done(fl_engine *e, fl_nic *n, op_slot *slot);
+
+static void free_flush_slot(fl_nic *n, nic_state *ns, op_slot *slot) {
+    slot->in_flight = 0;
+    n->in_flight--;
+    slot->next_free = ns->free_head;
+    ns->free_head = (uint32_t)(slot - ns->slots);
+}
+
+/* Immediate data travels in the provider's cq_data_size bytes: more would arrive truncated, a write
+ * counted as another. fi_getinfo's hints ask for 4 bytes; this guards every post all the same. */
+static inline int imm_fits(const fl_nic *n, uint64_t imm) {
+    return n->cq_data_size >= 8 || (n->cq_data_size > 0 && imm >> (8 * n->cq_data_size) == 0);
+}
 static int link_down(thread_ctx *t, int nic_index, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 
 /* Completions of a peer's writes into our memory carry remote flags and no context of ours (shm hands back
@@ -140,6 +153,10 @@ static int cq_error(thread_ctx *t, int nic_index) {
     }
     nic_state *ns = &t->st->nics[nic_index];
     op_slot *slot = remote_completion(err.flags) ? NULL : own_slot(n, ns, err.op_context);
+    if (slot && slot->in_flight && (slot->op.flags & FL_OP_FLUSH)) { /* the writes it flushed report for */
+        free_flush_slot(n, ns, slot);    /* themselves; a failed flush moves nothing and fails no transfer */
+        return 0;
+    }
     if (t->service) {
         /* a peer's write into us that failed is its writer's to report; a context that is no write of
          * ours in flight (a stale or foreign one) is not ours to touch */
@@ -311,6 +328,10 @@ int poll_nic(thread_ctx *t, int nic_index) {
                 ns->free_head = (uint32_t)(slot - ns->slots);
                 continue;
             }
+            if (slot->op.flags & FL_OP_FLUSH) { /* no page, no transfer: only its slot to give back */
+                free_flush_slot(n, ns, slot);
+                continue;
+            }
             uint64_t len = slot->op.len;
             if (slot->op.transfer != run_transfer) {
                 if (t->e->transfers) transfer_finished_writes(t->e, run_transfer, run_writes);
@@ -348,6 +369,17 @@ int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t extra_fla
     fl_nic *n = &t->e->nics[nic_index];
     nic_state *ns = &t->st->nics[nic_index];
     if (ns->free_head >= n->max_in_flight) return 1; /* every context is held by an abandoned write */
+    if ((op->flags & FL_OP_IMM) && !imm_fits(n, op->imm)) {
+        n->errors++;
+        if (t->service) {
+            transfer_done(t->e, op->transfer, -FI_EINVAL);
+            return 2;
+        }
+        fail(t->e, -FI_EINVAL, "NIC %d: immediate data %llu does not fit the provider's %u-byte cq_data_size; "
+             "use a fabric that offers %d bytes (python -m fabriclab doctor)", nic_index, (unsigned long long)op->imm,
+             n->cq_data_size, 4);
+        return -1;
+    }
     op_slot *slot = &ns->slots[ns->free_head];
     struct iovec iov = {.iov_base = (void *)(uintptr_t)op->local, .iov_len = op->len};
     void *desc = op->desc;
@@ -364,14 +396,20 @@ int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t extra_fla
         slot->in_flight = 1;
         ns->free_head = slot->next_free;
         n->in_flight++;
-        n->writes++;
         ns->last_had_more = (extra_flags & FI_MORE) != 0;
+        if (ns->last_had_more) ns->last_more = *op;
+        if (op->flags & FL_OP_FLUSH) return 0; /* no page: not a write of the run */
+        n->writes++;
         if (t->timed) count_post(t);
         return 0;
     }
     if (rc == -FI_EAGAIN) {
         n->eagain++;
         return 1;
+    }
+    if (op->flags & FL_OP_FLUSH) { /* nothing to fail or move: the writes it was to flush report themselves */
+        n->errors++;
+        return 2;
     }
     if (t->service) { /* failed over when the way to the peer failed, else its transfer fails */
         n->errors++;
@@ -421,19 +459,28 @@ int check_link(thread_ctx *t, int nic_index) {
                      t->e->nics[nic_index].in_flight) < 0 ? -1 : 0;
 }
 
-/* The FI_MORE flush rule: a run of writes posted with FI_MORE always ends in one without it. When the
- * provider refuses the next write (-FI_EAGAIN) right after an FI_MORE write, that write is posted again
- * without FI_MORE, reaping completions in between, until the provider takes it. */
+/* The FI_MORE flush rule: a run of writes posted with FI_MORE always ends in one without it, or the
+ * provider may hold the run back (tcp does) and its writes never complete. When the provider refuses the
+ * next write (-FI_EAGAIN) right after an FI_MORE write, that write is posted again without FI_MORE,
+ * reaping completions in between, until the provider takes it. When it is refused for good (an error, its
+ * transfer failed, its link went down), the run is ended by a flush write: zero bytes to where the last
+ * FI_MORE write went, without FI_MORE and without immediate data (it reads no buffer and counts for no
+ * transfer). */
+static int flush_refused_run(thread_ctx *t, int nic_index);
+
 static int flush_more(thread_ctx *t, int nic_index) {
     fl_nic *n = &t->e->nics[nic_index];
     for (;;) {
         const fl_op *op = &n->ring[n->ring_head % n->ring_capacity];
         int rc = n->in_flight < n->max_in_flight ? post_write(t, nic_index, op, 0) : 1;
-        if (rc == 3) return 0;
-        if (rc == 0 || rc == 2) {
+        if (rc == 0) {
             n->ring_head++;
             n->more_flushes++;
             return 0;
+        }
+        if (rc == 2 || rc == 3) {
+            if (rc == 2) n->ring_head++;
+            return flush_refused_run(t, nic_index);
         }
         if (rc < 0 || stopping(t->e)) return -1;
         int got = poll_nic(t, nic_index);
@@ -446,6 +493,37 @@ static int flush_more(thread_ctx *t, int nic_index) {
             return 0;
         } else if (!t->service && check_timeout(t, nic_index)) return -1; /* service deadlines are per transfer */
     }
+}
+
+/* End an FI_MORE run whose next write was refused for good, with a flush write (see flush_more). */
+static int flush_refused_run(thread_ctx *t, int nic_index) {
+    fl_nic *n = &t->e->nics[nic_index];
+    nic_state *ns = &t->st->nics[nic_index];
+    fl_op flush = ns->last_more;
+    flush.len = 0;
+    flush.flags = FL_OP_FLUSH;
+    flush.transfer = FL_NO_TRANSFER;
+    flush.imm = FL_NO_IMM;
+    uint64_t deadline = fl_now_ns() + t->timeout_ns;
+    while (ns->last_had_more) {
+        int rc = n->in_flight < n->max_in_flight ? post_write(t, nic_index, &flush, 0) : 1;
+        if (rc == 0) {
+            n->more_flushes++;
+            return 0;
+        }
+        if (rc != 1) { /* the NIC refuses even that: its writes fail or time out on their own */
+            ns->last_had_more = 0;
+            return rc < 0 ? -1 : 0;
+        }
+        if (stopping(t->e)) return -1;
+        if (poll_nic(t, nic_index) < 0) return -1;
+        if (fl_now_ns() > deadline) {
+            fail(t->e, -FI_ETIMEDOUT, "NIC %d: the provider took no write for %.1f s to end an FI_MORE run",
+                 nic_index, t->cfg->timeout_s);
+            return -1;
+        }
+    }
+    return 0;
 }
 
 /* Post from the head of a NIC's pending ring while the provider accepts and there is room in flight. */
@@ -468,7 +546,7 @@ int progress_pending(thread_ctx *t, int nic_index) {
             continue;
         }
         int rc = post_write(t, nic_index, op, more ? FI_MORE : 0);
-        if (rc == 3) return 0;
+        if (rc == 3) return ns->last_had_more ? flush_refused_run(t, nic_index) : 0;
         if (rc == 0 || rc == 2) { /* 2: refused for good; its transfer has been failed */
             n->ring_head++;
             run = more && rc == 0 ? run + 1 : 0;
@@ -479,6 +557,8 @@ int progress_pending(thread_ctx *t, int nic_index) {
         if (ns->last_had_more) return flush_more(t, nic_index);
         break;
     }
+    /* a write refused for good was the last queued: the run before it is still open */
+    if (ns->last_had_more && n->ring_tail == n->ring_head) return flush_refused_run(t, nic_index);
     return 0;
 }
 

@@ -41,6 +41,7 @@ typedef struct fl_op {
 #define FL_OP_IMM 1u
 #define FL_OP_RETRIED 2u /* service: already posted once more after a path error right after a revival */
 #define FL_OP_STALLED 4u /* service: given up on because its path stopped completing writes (no error came) */
+#define FL_OP_FLUSH 8u   /* a zero-byte write without FI_MORE that ends a run whose next write was refused */
 #define FL_NO_TRANSFER 0xffffffffu
 #define FL_NO_IMM 0xffffffffull /* sent when the caller gave none, so targets still see traffic */
 #define FL_TRANSFER_FIELDS 3
@@ -56,6 +57,7 @@ typedef struct fl_nic {
     uint64_t rkey;           /* the peer buffer's key in the peer's domain for this slot */
     int group;               /* which GPU group (thread, from chapter 11 on) drives this NIC */
     uint32_t max_in_flight;  /* writes allowed in flight on this NIC (the provider's tx queue size) */
+    uint32_t cq_data_size;   /* bytes of immediate data the provider delivers (fi_info's cq_data_size) */
     /* the pending queue: page indices waiting to be posted, a ring owned by one thread */
     fl_op *ring;
     uint32_t ring_capacity;

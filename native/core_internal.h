@@ -57,6 +57,7 @@ typedef struct nic_state {
     uint64_t held_until_ns;
     uint32_t free_head;
     int last_had_more;
+    fl_op last_more;     /* the last write posted with FI_MORE: where a flush write goes if the next is refused */
     struct group *group; /* the group that drives this NIC during a write run */
 } nic_state;
 

@@ -239,7 +239,7 @@ typedef struct fl_op {
 #define FL_TRANSFER_FIELDS ...
 typedef struct fl_nic {
     struct fid_ep *ep; struct fid_cq *cq; void *desc; fi_addr_t dest; uint64_t remote_base; uint64_t rkey;
-    int group; uint32_t max_in_flight; uint32_t ring_capacity; uint32_t in_flight;
+    int group; uint32_t max_in_flight; uint32_t cq_data_size; uint32_t ring_capacity; uint32_t in_flight;
     uint64_t bytes, writes, completions, eagain, cq_polls, errors, arrivals, more_flushes;
     int down; uint64_t down_ns, resent; char down_why[...];
     uint64_t unreported, unreported_here, retried; uint32_t renewals; struct fid_ep *next_ep;

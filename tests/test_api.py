@@ -252,3 +252,34 @@ def test_one_error_root():
     assert all(issubclass(e, fabriclab.FabriclabError) for e in errors), errors
     with pytest.raises(fabriclab.FabriclabError):
         Engine("shm", timeout=-1)
+
+
+def test_a_write_refused_right_after_an_fi_more_run_still_ends_the_run(fabric):
+    """Issue 16: the run of FI_MORE writes before a write refused for good is ended by a flush write.
+    The refusal is real: the engine is told the provider delivers 1 byte of immediate data (as a fabric
+    offering less than fabriclab asks for would), so a write carrying 300 cannot be posted. The worker is
+    parked while both transfers are queued, so the refused write is the last of one FI_MORE run."""
+    from fabriclab import TransferError
+    peer_proc = PeerProcess(fabric, 16 * PAGE)
+    try:
+        with Engine(fabric[0], domains=fabric[1], nics=1, threads=1, pin=False, timeout=10, fi_more=True) as engine:
+            data = pages_of(3, 9)
+            region = engine.register(data)
+            peer = engine.connect(peer_proc.address)
+            native = engine._service.native
+            native.nic(0).cq_data_size = 1
+            assert native.park_worker(0, 5)
+            try:
+                good = peer.write_pages(region, range(8), peer_proc.descriptor, range(8), PAGE, imm=7)
+                refused = peer.write_pages(region, [8], peer_proc.descriptor, [8], PAGE, imm=300)
+            finally:
+                native.unpark_worker(0)
+            assert good.result(timeout=10).writes == 8
+            with pytest.raises(TransferError) as err:
+                refused.result(timeout=10)
+            assert "FI_EINVAL" in str(err.value) or "Invalid argument" in str(err.value)
+            counters = native.counters()[0]
+            assert counters["more_flushes"] >= 1 and counters["writes"] == 8
+            assert peer_proc.ask("expect 7 8 10").startswith("landed 8")
+    finally:
+        peer_proc.close()

@@ -53,10 +53,11 @@ def test_bad_input_is_one_line(args, message):
 
 
 def test_efa_same_host_peers_take_shared_memory_unless_turned_off(monkeypatch):
-    monkeypatch.delenv(doctor.EFA_SHM_SWITCH, raising=False)
+    switch = "FI_EFA_ENABLE_SHM_TRANSFER"
+    monkeypatch.delenv(switch, raising=False)
     check = doctor.check_same_host_path("efa")
-    assert check.verdict == doctor.SLOW and f"{doctor.EFA_SHM_SWITCH}=0" in check.fix
-    monkeypatch.setenv(doctor.EFA_SHM_SWITCH, "0")
+    assert check.verdict == doctor.SLOW and f"{switch}=0" in check.fix
+    monkeypatch.setenv(switch, "0")
     assert doctor.check_same_host_path("efa").verdict == doctor.OK
 
 

@@ -96,3 +96,30 @@ def test_error_entries_are_read_with_no_stale_error_data(fabric):
                 posted = posted or tx.ep.try_post_send(tx_mr, 0, 4096, dest, token="big-send")
                 tx.cq.poll()
                 rx.cq.poll()
+
+
+def test_the_library_says_which_path_a_peer_takes(fabric):
+    from fabriclab import Engine
+    with Engine(fabric[0], domains=fabric[1], pin=False) as a, Engine(fabric[0], domains=fabric[1], pin=False) as b:
+        peer = a.connect(b.address)
+        want = "shared memory (the shm provider)" if fabric[0] == "shm" else "the NICs"
+        assert peer.path == want and want in repr(peer)
+
+
+def test_efa_peers_on_one_host_take_shared_memory_unless_switched_off(monkeypatch):
+    switch = nics.SAME_HOST_SHM_SWITCHES["efa"]
+    monkeypatch.delenv(switch, raising=False)
+    assert nics.same_host_path("efa", same_host=True).startswith("shared memory") and f"{switch}=0" in \
+        nics.same_host_path("efa", same_host=True)
+    assert nics.same_host_path("efa", same_host=False) == "the NICs"
+    assert nics.measure_the_nics() == f"{switch}=0" and nics.same_host_path("efa", same_host=True) == "the NICs"
+    monkeypatch.setenv(switch, "1")  # the user's own setting is kept
+    assert nics.measure_the_nics() == "" and nics.same_host_path("efa", same_host=True).startswith("shared memory")
+
+
+def test_benchmarks_and_lessons_measure_the_nics():
+    code = ("import os, fabriclab.course, fabriclab.tools.bench as b; import argparse; "
+            "print(os.environ.get('FI_EFA_ENABLE_SHM_TRANSFER'))")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "FI_EFA_ENABLE_SHM_TRANSFER"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.stdout.strip() == "0", done.stderr

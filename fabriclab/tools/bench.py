@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from .. import batched, cli, fi, memory, multi_nic, opqueue, rdma_write, threaded
+from .. import batched, cli, fi, memory, multi_nic, nics, opqueue, rdma_write, threaded
 from .peers import ServerProcess
 
 #: stage name → its writer class
@@ -107,6 +107,7 @@ class BenchConfig:
     stage: str = DEFAULTS["stage"]
     provider: str | None = DEFAULTS["provider"]
     domain: str | None = DEFAULTS["domain"]
+    fabric: str | None = DEFAULTS["fabric"]  # both sides use it: it is $FABRICLAB_FABRIC while the bench runs
     timeout: float = DEFAULTS["timeout"]
     page_size: int = DEFAULTS["page_size"]
     total: int = DEFAULTS["total"]
@@ -262,6 +263,8 @@ class Bench:
 
     @classmethod
     def for_config(cls, config: BenchConfig) -> "Bench":
+        if config.fabric:
+            cli.fabric_name(config.fabric)  # this process's NIC sets and the server it starts ask for it
         return cls(config.provider, config.domain, config.memory, config.timeout, config.server_launcher,
                    server_domain=config.server_domain)
 
@@ -515,7 +518,12 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
 
 
 def main(args) -> int:
+    switched = nics.measure_the_nics()  # before libfabric starts: bench measures NICs, never a same-host detour
     config = BenchConfig.from_args(args)
+    provider = config.provider or fi.default_provider()
+    if switched and provider.split(";")[0] in nics.SAME_HOST_SHM_SWITCHES:
+        print(f"bench: {switched}, so a server on this host is reached through the NICs, not shared memory",
+              file=sys.stderr)
     if args.api:
         if args.rounds <= 0:
             raise fi.UsageError(f"--rounds must be at least 1, got {args.rounds}")

@@ -16,14 +16,12 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from .. import cli, fi, gpu, topology
+from .. import cli, fi, gpu, nics, topology
 
 OK, SLOW, FAIL = "ok", "slow", "will fail"
 HARDWARE_PROVIDERS = ("efa", "verbs")
 #: Fewer transmit slots than this caps the writes one NIC keeps in flight below what the stages post.
 USEFUL_TX_DEPTH = 64
-#: How efa RDM reaches a peer on its own host; on by default in libfabric.
-EFA_SHM_SWITCH = "FI_EFA_ENABLE_SHM_TRANSFER"
 
 
 @dataclass
@@ -144,15 +142,16 @@ def check_gpu_memory(provider: str) -> Check:
 
 
 def check_same_host_path(provider: str) -> Check:
+    path = nics.same_host_path(provider, same_host=True)
+    switch = nics.SAME_HOST_SHM_SWITCHES.get(provider.split(";")[0])
     if provider == "shm":
         return Check("same-host peers", "the shm provider: every peer is on this host, reached by shared memory")
-    if provider != "efa":
-        return Check("same-host peers", f"{provider} reaches a peer on this host through its own path")
-    setting = os.environ.get(EFA_SHM_SWITCH)
-    if setting in ("0", "false", "no"):
-        return Check("same-host peers", f"{EFA_SHM_SWITCH}={setting}: peers on this host are reached through the NICs")
-    return Check("same-host peers", "efa reaches a peer on this host through shared memory, not the NICs", SLOW,
-                 f"to measure the NICs between two processes on one host, set {EFA_SHM_SWITCH}=0")
+    if switch is None:
+        return Check("same-host peers", f"{provider} reaches a peer on this host through {path}")
+    if path == "the NICs":
+        return Check("same-host peers", f"{switch}={os.environ[switch]}: peers on this host are reached through the NICs")
+    return Check("same-host peers", f"{provider} reaches a peer on this host through shared memory, not the NICs", SLOW,
+                 f"to measure the NICs between two processes on one host, set {switch}=0 (bench and the lessons do)")
 
 
 def check_grouping(topo: topology.Topology) -> list[Check]:
