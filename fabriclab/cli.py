@@ -15,12 +15,24 @@ from . import fi
 
 
 def add_fabric_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--provider", default=None,
-                        help="libfabric provider (default: $FABRICLAB_PROVIDER, else the best available)")
+    parser.add_argument("--provider", type=provider_name, default=None,
+                        help="libfabric provider, or sim for fabriclab's modeled p5 NICs (docs/model.md) "
+                             "(default: $FABRICLAB_PROVIDER, else the best available)")
     parser.add_argument("--domain", default=None,
                         help="domain / NIC name, e.g. lo under tcp;ofi_rxm (default: $FABRICLAB_DOMAIN or the first)")
     parser.add_argument("--timeout", type=positive_seconds, default=fi.DEFAULT_TIMEOUT,
                         help="seconds any single wait may take before it is an error (default %(default)s)")
+
+
+def provider_name(text: str) -> str:
+    """argparse type for --provider: asking for the modeled NICs (sim) points libfabric at them now, before
+    anything starts libfabric without them."""
+    if text == fi.MODELED_PROVIDER:
+        try:
+            fi.load_modeled_provider()
+        except fi.UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def positive_size(text: str) -> int:
