@@ -1006,6 +1006,46 @@ static int fits(const struct fi_info *hints, const char *domain) {
     return 1;
 }
 
+/* The NIC behind a domain, as fi_info shows it: a name, the modeled line rate and MTU (EFA's 8760). */
+struct sim_nic {
+    struct fid_nic fid;
+    struct fi_device_attr device;
+    struct fi_link_attr link;
+    char name[32];
+};
+
+static struct sim_nic *nic_new(const char *name);
+
+static int nic_close(struct fid *fid) {
+    free(fid);
+    return 0;
+}
+
+static int nic_control(struct fid *fid, int command, void *arg) {
+    if (command != FI_DUP) return -FI_ENOSYS;
+    struct sim_nic *copy = nic_new(((struct sim_nic *)fid)->name);
+    if (!copy) return -FI_ENOMEM;
+    *(struct fid_nic **)arg = &copy->fid;
+    return 0;
+}
+
+static struct fi_ops nic_fi_ops = {.size = sizeof(struct fi_ops), .close = nic_close, .bind = no_bind,
+                                   .control = nic_control, .ops_open = no_ops_open};
+
+static struct sim_nic *nic_new(const char *name) {
+    struct sim_nic *nic = calloc(1, sizeof *nic);
+    if (!nic) return NULL;
+    snprintf(nic->name, sizeof nic->name, "%s", name);
+    nic->fid.fid = (struct fid){.fclass = FI_CLASS_NIC, .ops = &nic_fi_ops};
+    nic->device.name = nic->name;
+    nic->link.mtu = 8760;
+    nic->link.speed = (size_t)(8e9 / model.ns_per_byte);
+    nic->link.state = FI_LINK_UP;
+    nic->fid.device_attr = &nic->device;
+    nic->fid.link_attr = &nic->link;
+    return nic;
+}
+
 static struct fi_info *describe(int index) {
     struct fi_info *info = fi_allocinfo();
     if (!info) return NULL;
@@ -1050,6 +1090,13 @@ static struct fi_info *describe(int index) {
     info->domain_attr->mr_iov_limit = 1;
     info->domain_attr->mr_cnt = SIM_MRS;
     info->fabric_attr->name = strdup(fabric_name());
+    domain[strlen(domain) - 4] = 0; /* the device: rdmapNs0 */
+    struct sim_nic *nic = nic_new(domain);
+    if (!nic) {
+        fi_freeinfo(info);
+        return NULL;
+    }
+    info->nic = &nic->fid;
     info->fabric_attr->prov_version = FI_VERSION(1, 0);
     return info;
 }
