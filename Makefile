@@ -17,7 +17,7 @@ setup: system-deps $(STAMP)
 system-deps:
 	@scripts/install-system-deps
 
-$(STAMP): pyproject.toml setup.py $(wildcard native/*)
+$(STAMP): pyproject.toml setup.py $(wildcard native/*) $(wildcard native/sim/*.c)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[lab,test]'
 	@touch $@
@@ -26,4 +26,4 @@ lab: setup
 	$(VENV)/bin/jupyter lab lessons/
 
 clean:
-	rm -rf build $(VENV) fabriclab/_fabric*.so *.egg-info
+	rm -rf build $(VENV) fabriclab/_fabric*.so fabriclab/libsim-fi.so native/sim/build *.egg-info

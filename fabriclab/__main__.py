@@ -29,6 +29,7 @@ def provider_report(provider: str) -> dict:
 
 
 def info_report() -> dict:
+    fi.load_modeled_provider()  # listed (never the default) so that a reader sees --provider sim exists
     providers = fi.available_providers()
     try:
         default = fi.default_provider()

@@ -15,8 +15,9 @@ from . import fi
 
 
 def add_fabric_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--provider", default=None,
-                        help="libfabric provider (default: $FABRICLAB_PROVIDER, else the best available)")
+    parser.add_argument("--provider", type=provider_name, default=None,
+                        help="libfabric provider, or sim for fabriclab's modeled p5 NICs (docs/model.md) "
+                             "(default: $FABRICLAB_PROVIDER, else the best available)")
     parser.add_argument("--domain", default=None,
                         help="domain / NIC name, e.g. lo under tcp;ofi_rxm (default: $FABRICLAB_DOMAIN or the first)")
     parser.add_argument("--fabric", type=fabric_name, default=None, metavar="NAME",
@@ -32,6 +33,17 @@ def fabric_name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("--fabric needs a name such as efa or efa-direct")
     os.environ["FABRICLAB_FABRIC"] = text
+    return text
+
+
+def provider_name(text: str) -> str:
+    """argparse type for --provider: asking for the modeled NICs (sim) points libfabric at them now, before
+    anything starts libfabric without them."""
+    if text == fi.MODELED_PROVIDER:
+        try:
+            fi.load_modeled_provider()
+        except fi.UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 

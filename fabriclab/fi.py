@@ -310,6 +310,17 @@ class Info:
         return bool(self.mr_mode & lib.FI_MR_ENDPOINT)
 
     @property
+    def modeled(self) -> bool:
+        """A modeled NIC (provider ``sim``, fabric ``modeled-...``): its figures are the model's, not a wire's."""
+        return (self.fabric or "").startswith("modeled-")
+
+    @property
+    def moves_payload(self) -> bool:
+        """Whether written bytes reach the target: every real provider; the model only in payload mode
+        (fabric ``modeled-...-payload``, FABRICLAB_SIM_PAYLOAD=1)."""
+        return not self.modeled or (self.fabric or "").endswith("-payload")
+
+    @property
     def prov_key(self) -> bool:
         return bool(self.mr_mode & lib.FI_MR_PROV_KEY)
 
@@ -331,7 +342,60 @@ def _hints(provider: str | None, caps: int, ep_type: int, cq_data_size: int = 0)
     return hints
 
 
+# ------------------------------------------------------------------------- the modeled NICs' provider
+
+#: fabriclab's model of a p5's NICs (docs/model.md), a libfabric provider built with the package. Never the
+#: default: libfabric loads it only when it is asked for before libfabric's first initialisation.
+MODELED_PROVIDER = "sim"
+MODELED_PROVIDER_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libsim-fi.so")
+_libfabric_started = False
+
+
+def _libfabric_provider_dir() -> str:
+    """libfabric's own provider directory (<libdir>/libfabric), which FI_PROVIDER_PATH would otherwise hide."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split(maxsplit=5)[-1].strip()
+            if os.path.basename(path).startswith("libfabric.so"):
+                return os.path.join(os.path.dirname(path), "libfabric")
+    return "/usr/lib/libfabric"
+
+
+def modeled_provider_loaded() -> bool:
+    """Whether libfabric in this process looks for providers in fabriclab's directory (FI_PROVIDER_PATH)."""
+    here = os.path.dirname(MODELED_PROVIDER_LIBRARY)
+    return here in os.environ.get("FI_PROVIDER_PATH", "").lstrip("@").split(":")
+
+
+def load_modeled_provider() -> None:
+    """Point libfabric at the modeled-NIC provider (``sim``), keeping the directories it searched before.
+    libfabric reads FI_PROVIDER_PATH once, at its first initialisation: after that, UsageError says how
+    to start over."""
+    if modeled_provider_loaded():
+        return
+    if not os.path.exists(MODELED_PROVIDER_LIBRARY):
+        raise UsageError(f"the modeled-NIC provider {MODELED_PROVIDER!r} is not built ({MODELED_PROVIDER_LIBRARY} "
+                         "is missing): run `make setup` (or `pip install -e .`) to build it")
+    if _libfabric_started:
+        raise UsageError(f"provider {MODELED_PROVIDER!r} was asked for after libfabric had started in this process "
+                         "without it (libfabric reads FI_PROVIDER_PATH once): set FABRICLAB_PROVIDER=sim before "
+                         "starting Python, or make fi.getinfo('sim') the process's first libfabric call")
+    current = os.environ.get("FI_PROVIDER_PATH", "")
+    prefix, current = ("@", current[1:]) if current.startswith("@") else ("", current)
+    dirs = [os.path.dirname(MODELED_PROVIDER_LIBRARY)] + (current.split(":") if current
+                                                          else [_libfabric_provider_dir()])
+    os.environ["FI_PROVIDER_PATH"] = prefix + ":".join(dirs)
+
+
+def _before_libfabric_starts(provider: str | None) -> None:
+    global _libfabric_started
+    if MODELED_PROVIDER in (provider, os.environ.get("FABRICLAB_PROVIDER")):
+        load_modeled_provider()
+    _libfabric_started = True
+
+
 def _getinfo_raw(provider: str | None, caps: int, ep_type: int, cq_data_size: int = 0) -> list[Info]:
+    _before_libfabric_starts(provider)
     hints = _hints(provider, caps, ep_type, cq_data_size)
     out = ffi.new("struct fi_info **")
     try:
@@ -372,6 +436,7 @@ def default_provider(caps: int = DEFAULT_CAPS) -> str:
     for name in PREFERRED_PROVIDERS:
         if name in available:
             return name
+    available = [name for name in available if name != MODELED_PROVIDER]
     if available:
         return available[0]
     raise FabricError("fi_getinfo", lib.FI_ENODATA,

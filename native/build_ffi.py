@@ -67,6 +67,30 @@ def find_libfabric():
     sys.exit(MISSING_HEADERS)
 
 
+#: The modeled-NIC provider (native/sim), a libfabric DL provider: libfabric loads `lib<name>-fi.so` files
+#: from $FI_PROVIDER_PATH, and fabriclab points it at the package's directory when the provider is asked for.
+SIM_PROVIDER = "libsim-fi.so"
+
+
+def build_sim_provider(output_dir, compiler=None) -> pathlib.Path:
+    """Compile native/sim/sim.c into ``output_dir``/libsim-fi.so with the compiler setuptools uses."""
+    from setuptools._distutils.ccompiler import new_compiler
+    from setuptools._distutils.sysconfig import customize_compiler
+    if compiler is None:
+        compiler = new_compiler()
+        customize_compiler(compiler)
+    flags = find_libfabric()
+    output_dir = pathlib.Path(output_dir)
+    build_dir = HERE / "sim" / "build"
+    objects = compiler.compile([str(HERE / "sim" / "sim.c")], output_dir=str(build_dir),
+                               include_dirs=flags["include_dirs"], extra_preargs=["-fPIC"],
+                               extra_postargs=["-O2", "-Wall", "-Wno-unused-parameter"])
+    target = output_dir / SIM_PROVIDER
+    compiler.link_shared_object(objects, str(target), libraries=["fabric"], library_dirs=flags["library_dirs"],
+                                runtime_library_dirs=flags["runtime_library_dirs"])
+    return target
+
+
 ffibuilder = FFI()
 ffibuilder.cdef((HERE / "fabric_cdef.h").read_text())
 ffibuilder.set_source(
@@ -80,3 +104,4 @@ ffibuilder.set_source(
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
+    print("built", build_sim_provider(HERE.parent / "fabriclab"))

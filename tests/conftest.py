@@ -24,3 +24,8 @@ def fabric(request):
 
 def open_fds():
     return len(os.listdir("/proc/self/fd"))
+
+
+# The modeled NICs (provider sim) must be on libfabric's path before its first initialisation in this
+# process; it is never the default provider, so the other tests see the same providers as before.
+fi.load_modeled_provider()

@@ -11,6 +11,8 @@ import pathlib
 import sys
 import time
 
+from .. import fi
+
 #: The article's milestone for each chapter (AWS p5, 32 × 100 Gbps EFA), as the reader should compare.
 ARTICLE = {
     0: ("intro", "-"),
@@ -38,6 +40,8 @@ TOUR_DIR_ENV = "FABRICLAB_TOUR_DIR"
 
 def record(chapter: int, measured: str, provider: str = "-", stage: str | None = None) -> dict:
     """Note a lesson's headline figure for the tour's table (a no-op outside the tour)."""
+    if provider == fi.MODELED_PROVIDER:
+        provider += " (modeled)"  # a figure of the model (docs/model.md), never to be read as a wire's
     row = {"chapter": chapter, "stage": stage or ARTICLE.get(chapter, ("?",))[0], "provider": provider,
            "measured": measured, "article": ARTICLE.get(chapter, ("", "-"))[1]}
     out = os.environ.get(TOUR_DIR_ENV)

@@ -76,7 +76,8 @@ def add_arguments(p) -> None:
                       help="the same workload through fabriclab.Engine.write_pages and the stage-15 path, with the "
                            "Python cost per write_pages call")
     harness.add_argument("--rounds", type=int, default=3,
-                         help="--api: alternating runs of each path, compared by their medians (default %(default)s)")
+                         help="--api and --progression: interleaved runs of each path or chapter, compared by "
+                              "their medians and min-max (default %(default)s)")
     harness.add_argument("--no-verify", dest="verify", action="store_false",
                          help="skip the target's byte-exact check (pure speed)")
     harness.add_argument("--server-domain", default=None,
@@ -177,16 +178,23 @@ class BenchResult:
     per_nic: list = field(default_factory=list)
     label: str = ""
     duplicates: int = 0  # writes that landed twice after a link failure (counted once in landed)
+    modeled: bool = False  # measured on modeled NICs (provider sim, docs/model.md): the model's Gbps, not a wire's
+    line_gbps: float = 0.0  # the NICs' aggregate link speed as the provider reports it (0: not reported)
+    runs_gbps: list = field(default_factory=list)  # every interleaved run of this configuration (progression)
 
     COLUMNS = ("stage", "provider", "memory", "nics", "threads", "page", "in flight", "bytes", "elapsed s", "Gbps",
-               "Mops/s", "ns CPU/op", "verified")
+               "% of line", "Mops/s", "ns CPU/op", "verified")
 
     def row(self) -> tuple:
         nics = f"{self.nics}" + (f" ({self.emulated_nics} emu)" if self.emulated_nics else "")
-        return (self.label or self.stage, self.provider, self.memory, nics, str(self.threads),
-                cli.format_size(self.page_size), str(self.in_flight), cli.format_size(self.total_bytes),
-                f"{self.elapsed_s:.3f}", f"{self.gbps:.2f}", f"{self.mops:.3f}", f"{self.cpu_ns_per_op:.0f}",
-                str(self.verified))
+        gbps = f"{self.gbps:.2f}"
+        if len(self.runs_gbps) > 1:
+            gbps += f" ({min(self.runs_gbps):.1f}-{max(self.runs_gbps):.1f})"
+        return (self.label or self.stage, self.provider + (" (modeled)" if self.modeled else ""), self.memory, nics,
+                str(self.threads), cli.format_size(self.page_size), str(self.in_flight),
+                cli.format_size(self.total_bytes), f"{self.elapsed_s:.3f}", gbps,
+                f"{self.gbps / self.line_gbps * 100:.1f}" if self.line_gbps else "-", f"{self.mops:.3f}",
+                f"{self.cpu_ns_per_op:.0f}", str(self.verified))
 
 
 def memcpy_gbps(nbytes: int, threads: int = 1, repeats: int = 3) -> float:
@@ -321,6 +329,9 @@ class Bench:
             self._memcpy[plan.buffer_bytes, threads] = memcpy_gbps(max(plan.buffer_bytes, 64 << 20), threads, 5)
         ceiling = self._memcpy[plan.buffer_bytes, threads]
         path = paths["local"] if paths["local"] == paths["remote_path"] else f"{paths['local']}->{paths['remote_path']}"
+        info = writer.stack.info
+        nics = getattr(stats, "nics", 1)
+        link_bps = info.nic.link_speed_bps if info.nic and info.nic.link_speed_bps else 0
         return BenchResult(
             stage=config.stage, provider=writer.stack.info.provider, domain=config.domain or writer.stack.info.domain,
             memory=path, page_size=plan.page_size, in_flight=config.in_flight if config.stage != "rdma_write" else 1,
@@ -329,7 +340,8 @@ class Bench:
             memcpy_gbps=ceiling, ratio_to_memcpy=stats.gbps / ceiling if ceiling else 0.0,
             nics=getattr(stats, "nics", 1), emulated_nics=getattr(stats, "emulated_nics", 0), threads=threads,
             landed_gbps=stats.bytes * 8 / report.landed_s / 1e9 if report.landed_s > 0 else 0.0,
-            paths=paths, per_nic=getattr(stats, "per_nic", []), label=label, duplicates=report.duplicates)
+            paths=paths, per_nic=getattr(stats, "per_nic", []), label=label, duplicates=report.duplicates,
+            modeled=info.modeled, line_gbps=nics * link_bps / 1e9, runs_gbps=[stats.gbps])
 
     def close(self) -> None:
         for _, writer in self._writers.values():
@@ -365,21 +377,44 @@ def sweep(page_sizes, in_flights, **kw) -> list[BenchResult]:
     return out
 
 
-def progression(chapters=None, **kw) -> list[BenchResult]:
-    """The article's chapters 7 and 9-15 (plus this project's extra steps), one after the other through
-    one target, each with only its chapter's techniques on. ``chapters`` picks some ("9", "15", ...).
-    ``threads`` is the number of GPU groups in every chapter: in the article chapter 9's one thread walks
-    the same groups that chapter 11 gives a thread each."""
+def progression(chapters=None, rounds: int = 3, **kw) -> list[BenchResult]:
+    """The article's chapters 7 and 9-15 (plus this project's extra steps) through one target, each with
+    only its chapter's techniques on, interleaved: ``rounds`` passes over all chapters, so that a slow
+    moment of the host hits every chapter alike. Each chapter's result is its median run (Gbps), with every
+    run's Gbps in ``runs_gbps``. ``chapters`` picks some ("9", "15", ...). ``threads`` is the number of
+    GPU groups in every chapter: in the article chapter 9's one thread walks the same groups that chapter
+    11 gives a thread each."""
     base = BenchConfig(**kw)
     base.check()
-    out = []
+    if rounds <= 0:
+        raise fi.UsageError(f"--rounds must be at least 1, got {rounds}")
+    steps = [step for step in PROGRESSION if chapters is None or step[0] in chapters]
+    runs: list[list[BenchResult]] = [[] for _ in steps]
     with Bench.for_config(base) as bench:
-        for chapter, what, stage, overrides in PROGRESSION:
-            if chapters is not None and chapter not in chapters:
-                continue
-            config = BenchConfig(**{**asdict(base), "stage": stage, "groups": base.threads, **overrides})
-            out.append(bench.run(config, label=f"{chapter} {what}"))
+        for _ in range(rounds):
+            for (chapter, what, stage, overrides), done in zip(steps, runs):
+                config = BenchConfig(**{**asdict(base), "stage": stage, "groups": base.threads, **overrides})
+                done.append(bench.run(config, label=f"{chapter} {what}"))
+    out = []
+    for done in runs:
+        median = sorted(done, key=lambda r: r.gbps)[(len(done) - 1) // 2]
+        median.runs_gbps = [r.gbps for r in done]
+        median.verified = all(r.verified for r in done) if median.verified is not None else None
+        out.append(median)
     return out
+
+
+def compare_steps(results: list[BenchResult]) -> list[str]:
+    """Each step against the one before: a gain or a loss only when the two runs' ranges (min-max of the
+    interleaved runs) do not overlap; otherwise noise."""
+    lines = []
+    for before, after in zip(results, results[1:]):
+        lo_b, hi_b = min(before.runs_gbps), max(before.runs_gbps)
+        lo_a, hi_a = min(after.runs_gbps), max(after.runs_gbps)
+        ratio = after.gbps / before.gbps if before.gbps else float("inf")
+        verdict = "gain" if lo_a > hi_b else "loss" if hi_a < lo_b else "noise (ranges overlap)"
+        lines.append(f"  {before.label} -> {after.label}: x{ratio:.2f}, {verdict}")
+    return lines
 
 
 def api_target() -> None:
@@ -488,11 +523,21 @@ def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outs
 
 
 def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: float = 0.0) -> None:
+    if any(r.modeled for r in results):
+        print("MODELED figures: NICs of the sim provider (docs/model.md); Gbps and % of line are the model's "
+              "line, the CPU cost is this machine's")
+    if any(len(r.runs_gbps) > 1 for r in results):
+        print(f"Gbps: median of {len(results[0].runs_gbps)} interleaved runs (min-max)")
     print(format_table(results))
+    if any(len(r.runs_gbps) > 1 for r in results) and len(results) > 1:
+        print("step by step:")
+        print("\n".join(compare_steps(results)))
     for r in results:
         if line_rate_bps:
             print(f"line rate {line_rate_bps / 1e9:g} Gbps: {r.label or r.stage} landed at {r.landed_gbps:.3f} Gbps = "
                   f"{r.landed_gbps * 1e9 / line_rate_bps * 100:.1f} % of it (posted at {r.gbps:.3f} Gbps)")
+        if r.modeled:
+            continue  # no byte is copied on the model: a memcpy ceiling says nothing about it
         ceiling = (f"memcpy ceiling ({r.threads} thread{'s' if r.threads > 1 else ''}, same bytes): "
                    f"{r.memcpy_gbps:.2f} Gbps; {r.label or r.stage} with {cli.format_size(r.page_size)} pages ran at "
                    f"{r.ratio_to_memcpy * 100:.1f} % of it")
@@ -540,7 +585,7 @@ def main(args) -> int:
             print(json.dumps(r))
         return 0
     if args.progression:
-        results = progression(**asdict(config))
+        results = progression(rounds=args.rounds, **asdict(config))
     elif args.sweep:
         results = sweep(args.sweep, [config.in_flight], **asdict(config))
     else:
