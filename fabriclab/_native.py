@@ -171,11 +171,13 @@ class NativeEngine:
         self._ptr.imm_capacity = values
 
     def start_service(self, threads: int, batch: int, fi_more: bool, timeout: float, link_timeout: float,
-                      cores: list[int]) -> None:
-        """Start ``threads`` worker threads (NIC slot i belongs to worker i % threads), each pinned to
+                      cores: list[int], groups: list[int]) -> None:
+        """Start ``threads`` worker threads (NIC slot i belongs to worker ``groups[i]``), each pinned to
         ``cores[t]`` when cores are given. They post lazily, ``batch`` writes from their inbox per NIC per
         pass; ``link_timeout`` seconds without a completion on a NIC with writes in flight marks the paths of
         those writes down (0: never). Attach the transfers first."""
+        for slot in self.nics.slots:
+            self._ptr.nics[slot.index].group = groups[slot.index]
         cfg = ffi.new("fl_config *")
         # groups: the service drives no write run, so each worker is its own group
         cfg.threads, cfg.groups, cfg.batch, cfg.lazy, cfg.fi_more = threads, threads, batch, 1, int(fi_more)

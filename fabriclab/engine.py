@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _native, fi, shmclean
-from .nics import NicSet, NicSlot, unique_registrations, worker_cores
+from .nics import (NicSet, NicSlot, default_layout, discover_topology, group_nics, topology_groups_holding,
+                   unique_registrations, worker_cores)
 
 FabriclabError, UsageError = fi.FabriclabError, fi.UsageError  # the error root, and bad input (exported)
 
@@ -574,10 +575,14 @@ class Peer:
 class Engine:
     """The transfer engine. See the module docstring for a tour.
 
-    ``provider``/``domains``/``nics`` pick the NICs (default: every domain of the best provider;
-    ``nics`` above the real count adds emulated NICs); ``threads`` worker threads (default: one per
-    topology group that has NICs, at most the NIC count), pinned to the cores fabriclab.topology
-    proposes (two pinned engines on one host would share those cores: give one ``pin=False``);
+    ``provider``/``domains``/``nics`` pick the NICs and ``threads`` the worker threads; left out, they
+    suit the host (``fabriclab.nics.default_layout``): every real NIC and a thread per topology group
+    (GPU) where there are several NICs; on a provider with one domain (shm, tcp on one interface) a thread
+    per spare core (one core left to the caller; at most 8) and an emulated NIC slot per thread. ``nics``
+    above the real count adds emulated NICs. ``repr(engine)`` and ``stats()["layout"]`` say what was
+    chosen. Each GPU's NICs go to one worker (``fabriclab.nics.group_nics``), pinned to a core
+    fabriclab.topology proposes near them (two pinned engines on one host would share those cores: give
+    one ``pin=False``);
     ``timeout`` is every transfer's default deadline in seconds; a NIC with writes in flight and no
     completion for ``link_timeout`` seconds (default a third of ``timeout``; 0: never) no longer reaches
     those writes' peers: they go over the other NICs (failover; ``stats()`` names the NIC) and fail with
@@ -704,8 +709,11 @@ class Engine:
         return False
 
     def __repr__(self) -> str:
-        state = "closed" if self._service.closed else f"{self.threads} thread(s)"
-        return f"<Engine {self.provider} {self.nics} NIC(s) ({self.emulated_nics} emulated), {state}>"
+        service = self._service
+        state = "closed" if service.closed else f"{self.threads} thread(s)"
+        chosen = [k for k in ("nics", "threads") if service.chosen[k] == "default"]
+        why = f"; defaults for {' and '.join(chosen)}: {service.layout.why}" if chosen else ""
+        return f"<Engine {self.provider} {self.nics} NIC(s) ({self.emulated_nics} emulated), {state}{why}>"
 
 
 class _Service:
@@ -730,7 +738,20 @@ class _Service:
         if reclaimed:
             logging.getLogger("fabriclab").info(shmclean.describe(reclaimed))
         # With GPUs, ask for FI_HMEM so CUDA arrays can be registered (where the provider offers it).
-        self.nics = NicSet(provider, nics, domains, "cuda" if gpu else "host")
+        memory_kind = "cuda" if gpu else "host"
+        self.nics = NicSet(provider, nics, domains, memory_kind)
+        try:
+            topology = discover_topology(self.nics.provider)
+            real = [s.domain_name for s in self.nics.slots if not s.emulated]
+            self.layout = default_layout(self.nics.real_nics, topology_groups_holding(real, topology),
+                                         len(os.sched_getaffinity(0)))
+            wanted = max(self.layout.nics, threads or 0)
+            if nics is None and wanted > len(self.nics.slots):  # one domain: emulated slots, one per thread
+                self.nics.close()
+                self.nics = NicSet(provider, wanted, domains, memory_kind)
+        except BaseException:
+            self.nics.close()
+            raise
         self.provider, self.emulated = self.nics.provider, self.nics.emulated
         try:
             self.native = _native.NativeEngine(self.nics)
@@ -738,12 +759,17 @@ class _Service:
             self.native.attach_immediates(IMM_SLOTS)
             if in_flight is not None:
                 self.native.limit_in_flight(in_flight)
-            self.threads = threads or self._default_threads()
+            self.threads = threads or min(self.layout.threads, len(self.nics.slots))
             if self.threads > len(self.nics.slots):
                 raise fi.UsageError(f"threads must be between 1 and the number of NICs ({len(self.nics.slots)}), "
                                     f"got {self.threads}")
-            self.worker_cores = worker_cores(self.threads, self.provider) if pin else []
-            self.native.start_service(self.threads, batch, fi_more, timeout, link_timeout, self.worker_cores)
+            self.chosen = {"nics": "given" if nics is not None else "default",
+                           "threads": "given" if threads is not None else "default",
+                           "why": self.layout.why if nics is None or threads is None else "given by the caller"}
+            self.groups = group_nics([s.domain_name for s in self.nics.slots], self.threads, topology)
+            self.worker_cores = worker_cores(self.threads, self.provider, groups=self.groups) if pin else []
+            self.native.start_service(self.threads, batch, fi_more, timeout, link_timeout, self.worker_cores,
+                                      list(self.groups.of_slot))
         except BaseException:
             self.nics.close()
             raise
@@ -766,15 +792,12 @@ class _Service:
         self.reaper = threading.Thread(target=self._reap, name="fabriclab-engine-reaper", daemon=True)
         self.reaper.start()
 
-    def _default_threads(self) -> int:
-        from . import topology
-        try:
-            groups = [g for g in topology.Topology.discover(provider=self.provider).groups if g.nics]
-        except Exception:  # topology is advice only
-            groups = []
-        return max(1, min(len(groups) or 1, len(self.nics.slots), os.cpu_count() or 1))
-
     # ------------------------------------------------------------------------------ for the Engine
+
+    def layout_summary(self) -> dict:
+        """What the engine drives and why: NIC slots and threads, each ``"default"`` (nics.default_layout
+        chose it for this host) or ``"given"``; the worker group of every slot (nics.group_nics)."""
+        return {**self.chosen, "groups": list(self.groups.of_slot)}
 
     def check_open(self) -> None:
         if self.pid != os.getpid():
@@ -799,7 +822,7 @@ class _Service:
                     if why:
                         self._note_stuck(slot, unreported, why)
                     else:
-                        stuck.setdefault(slot.index % self.threads, []).append((slot, unreported))
+                        stuck.setdefault(self.groups.of_slot[slot.index], []).append((slot, unreported))
             for slots in stuck.values():
                 # The slot's worker keeps off its NICs meanwhile: a provider may progress an endpoint bound to
                 # a CQ as soon as it is bound (shm does, and crashes on one not enabled yet).
@@ -867,7 +890,7 @@ class _Service:
             if note:
                 entry["down"] = f"{entry['down']}; {note}" if entry["down"] else note
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
-                "threads": self.threads, "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
+                "threads": self.threads, "layout": self.layout_summary(), "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
                 "expectations": expecting, "per_nic": per_nic, "closed": False}
 
     def submit(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths, imm,
@@ -983,7 +1006,7 @@ class _Service:
 
     def _snapshot_after_stop(self) -> dict:
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
-                "threads": self.threads, "transfers_in_flight": 0, "abandoned_in_flight": 0, "expectations": 0,
+                "threads": self.threads, "layout": self.layout_summary(), "transfers_in_flight": 0, "abandoned_in_flight": 0, "expectations": 0,
                 "per_nic": self.native.counters()}
 
     def _reap(self) -> None:
