@@ -22,6 +22,7 @@ typedef struct fl_request {
     uint64_t imm;
     uint32_t transfer;
     uint32_t first_nic;
+    uint32_t pages_in_imm;  /* write i's immediate data also says it moves lengths[i] / stride pages */
 } fl_request;
 /* Queue writes [start, count) of a request to the worker threads; returns how many were taken (fewer
  * when the inboxes are full: submit the rest later). */
