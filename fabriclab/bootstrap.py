@@ -8,7 +8,7 @@ you like (your RPC, a file, a key-value store).
         peer_bytes = r.exchange(my_bytes)
 
 Binds to 127.0.0.1 unless told otherwise; every wait has a timeout. Where a deployment already has a
-``torch.distributed`` store or an MPI communicator, ``allgather`` swaps the same bytes through it.
+torch.distributed store or an MPI communicator, ``allgather`` swaps the same bytes through it.
 """
 from __future__ import annotations
 
@@ -113,11 +113,11 @@ def allgather(payload: bytes, *, store=None, rank: int | None = None, world_size
     """Every rank's ``payload`` (e.g. ``pack(engine.address, region.descriptor())``), in rank order, through
     what a deployment already has, as serving frameworks exchange their own addresses:
 
-    * ``store``: a ``torch.distributed`` Store (``TCPStore``, ``FileStore``, ...; anything with ``set(key,
-      bytes)``, ``get(key) -> bytes`` and optionally ``wait(keys, timedelta)``), with this process's
+    * ``store``: a torch.distributed Store (TCPStore, FileStore, ...; anything with set(key, bytes),
+      get(key) returning bytes and optionally wait(keys, timedelta)), with this process's
       ``rank`` and the ``world_size``. Keys are ``{key}/{rank}``: use a fresh ``key`` per exchange.
-    * ``comm``: an mpi4py communicator (``comm.allgather``).
-    * neither: mpi4py's ``COMM_WORLD`` when mpi4py is installed.
+    * ``comm``: an mpi4py communicator (its allgather).
+    * neither: mpi4py's COMM_WORLD when mpi4py is installed.
 
     Neither torch nor mpi4py is a dependency: nothing is imported until used. Waits at most ``timeout``
     seconds for the other ranks (``fi.FabricTimeout``) where the store can wait."""

@@ -245,7 +245,7 @@ class Transfer(_AwaitableFuture):
     A transfer cannot be cancelled once submitted (its writes are in the NICs' queues): ``cancel()``
     returns False. ``wait_safe(timeout)`` waits until no write of it can read the local buffer.
     ``writes``: how many writes it became (contiguous pages coalesced); ``pages``: how many the peer's
-    ``expect()`` counts for it (one per page of write_pages, whatever the coalescing)."""
+    ``Engine.expect`` counts for it (one per page of write_pages, whatever the coalescing)."""
 
     def __init__(self, writes: int, nbytes: int, deadline: float, safety: _Safety, pages: int | None = None):
         super().__init__()
@@ -565,9 +565,9 @@ class Peer:
                     imm: int | None = None, timeout: float | None = None) -> Transfer:
         """Write page ``src_pages[i]`` of the local region to page ``dst_pages[i]`` of the peer's, striped
         over the NICs, batched and posted lazily by the engine's threads. Runs of pages contiguous on both
-        sides go as one write each, up to ``pages_per_write`` pages (``Transfer.writes`` says how many
-        writes it became); with ``imm``, the peer's ``expect(imm, n)`` still counts pages: each write
-        carries how many it moves."""
+        sides go as one write each, of at most 1 MiB and leaving at least one write per NIC
+        (``Transfer.writes`` says how many writes it became); with ``imm``, the peer's ``Engine.expect``
+        still counts pages: each write carries how many it moves."""
         remote = self._remote(remote_descriptor)
         page_size = _integer(page_size, "page_size", 1)
         src, dst = _pages(src_pages, "local"), _pages(dst_pages, "remote")
@@ -607,7 +607,7 @@ class Engine:
     suit the host (``fabriclab.nics.default_layout``): every real NIC and a thread per topology group
     (GPU) where there are several NICs; on a provider with one domain (shm, tcp on one interface) a thread
     per spare core (one core left to the caller; at most 8) and an emulated NIC slot per thread. ``nics``
-    above the real count adds emulated NICs. ``repr(engine)`` and ``stats()["layout"]`` say what was
+    above the real count adds emulated NICs. The engine's repr and ``stats()`` (its "layout") say what was
     chosen. Each GPU's NICs go to one worker (``fabriclab.nics.group_nics``), pinned to a core
     fabriclab.topology proposes near them (two pinned engines on one host would share those cores: give
     one ``pin=False``);
@@ -709,7 +709,7 @@ class Engine:
     def expect(self, imm: int, count: int, timeout: float | None = None) -> concurrent.futures.Future:
         """A future that completes when ``count`` pages carrying ``imm`` have landed here (counted, never
         ordered; arrivals before the call count too, and are consumed by it). A page is a page of
-        ``write_pages`` (however the writer coalesced them) or a piece of ``write``. ``imm`` is at most
+        :meth:`Peer.write_pages` (however the writer coalesced them) or a piece of :meth:`Peer.write`. ``imm`` is at most
         MAX_IMM (2**24 - 2)."""
         self._service.check_open()
         imm = _integer(imm, "imm", 0, _native.MAX_IMM)
@@ -720,8 +720,8 @@ class Engine:
         """A snapshot: per-NIC counters (bytes, writes, completions, EAGAINs, CQ polls, errors, arrivals;
         ``"unreported"``: writes given up on that the provider has not reported yet, ``"retried"``: writes
         posted once more after failing right after a revival, ``"renewals"``: fresh endpoints; ``"down"``:
-        why paths were last marked down) and what is in flight; ``layout``: the NIC slots and threads and
-        whether defaults chose them, the worker group of each slot; ``submitted``: transfers, pages asked
+        why paths were last marked down) and what is in flight; "layout": the NIC slots and threads and
+        whether defaults chose them, the worker group of each slot; "submitted": transfers, pages asked
         for and the writes they became (contiguous pages coalesced). After ``close()``, the last snapshot,
         with ``closed: True``."""
         return self._service.stats()

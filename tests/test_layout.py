@@ -186,3 +186,14 @@ def test_coalesced_writes_stay_under_the_stripe_and_max_msg_size(fabric):
         assert service.pages_per_write(3, 65536) == 3
         assert service.pages_per_write(4, 4 << 20) == 1  # a page above the cap still goes, one per write
         assert service.pages_per_write(1 << 20, 1) <= min(service.max_msg_size, engine_module.DEFAULT_STRIPE)
+
+
+def test_bench_defaults_prints_a_table_with_defaults_against_the_sweep(fabric):
+    from fabriclab.tools.bench import defaults_comparison, format_defaults
+    result = defaults_comparison(fabric[0], fabric[1], layouts=[(2, 1)], shapes=((16, 4096), (4, 65536)),
+                                 transfers=2, warmup=1, rounds=1, timeout=20)
+    assert [r["layout"] for r in result["rows"]] == ["defaults", "nics=2 threads=1"]
+    assert result["rows"][1]["writes"]["16x4 KiB contiguous"] == 2  # 16 pages over 2 NICs: two writes
+    assert result["rows"][1]["writes"]["4x64 KiB permuted"] >= 3
+    table = format_defaults(result)
+    assert "defaults % of best" in table and "memcpy ceiling" in table
