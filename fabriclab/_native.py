@@ -18,6 +18,10 @@ from .nics import NicSet
 RING_CAPACITY = 4096  # pending writes per NIC (fl_nic.ring)
 MAX_NICS, MAX_THREADS = lib.FL_MAX_NICS, lib.FL_MAX_THREADS
 NO_IMM = lib.FL_NO_IMM  # the immediate data of a write whose caller gave none (targets still see traffic)
+# A caller's immediate data fits the low FL_IMM_VALUE_BITS bits; the bits above carry how many pages a write
+# moves (minus one), so a coalesced write counts as its pages at the target: at most MAX_PAGES_PER_WRITE.
+MAX_IMM = (1 << lib.FL_IMM_VALUE_BITS) - 2
+MAX_PAGES_PER_WRITE = 1 << (32 - lib.FL_IMM_VALUE_BITS)
 # per transfer id, in the array attach_transfers returns: writes still to finish, the first error
 # (negative), and writes given up on that the provider may still be reading
 TRANSFER_FIELDS = lib.FL_TRANSFER_FIELDS
@@ -172,11 +176,13 @@ class NativeEngine:
         self._ptr.imm_capacity = values
 
     def start_service(self, threads: int, batch: int, fi_more: bool, timeout: float, link_timeout: float,
-                      cores: list[int]) -> None:
-        """Start ``threads`` worker threads (NIC slot i belongs to worker i % threads), each pinned to
+                      cores: list[int], groups: list[int]) -> None:
+        """Start ``threads`` worker threads (NIC slot i belongs to worker ``groups[i]``), each pinned to
         ``cores[t]`` when cores are given. They post lazily, ``batch`` writes from their inbox per NIC per
         pass; ``link_timeout`` seconds without a completion on a NIC with writes in flight marks the paths of
         those writes down (0: never). Attach the transfers first."""
+        for slot in self.nics.slots:
+            self._ptr.nics[slot.index].group = groups[slot.index]
         cfg = ffi.new("fl_config *")
         # groups: the service drives no write run, so each worker is its own group
         cfg.threads, cfg.groups, cfg.batch, cfg.lazy, cfg.fi_more = threads, threads, batch, 1, int(fi_more)
@@ -192,12 +198,13 @@ class NativeEngine:
             raise fi.FabricError("fl_service_start", e.error_code, message=ffi.string(e.error).decode())
 
     def request(self, routes: np.ndarray, local_base: int, src: np.ndarray, dst: np.ndarray, stride: int,
-                lengths, imm: int, first_nic: int) -> Request:
+                lengths, imm: int, first_nic: int, pages_in_imm: bool = False) -> Request:
         """A request of ``len(src)`` writes: write i moves ``lengths[i]`` bytes (``lengths`` bytes when it is one
         integer) from ``local_base + src[i] * stride`` to ``dst[i] * stride`` of the peer's region, over NIC
         slot ``(first_nic + i) % nics`` through ``routes`` (ROUTE_DTYPE, one per slot, which must stay alive
         until the transfer is done: the workers move writes to other NICs through it). Every write carries
-        ``imm`` (NO_IMM when the caller gave none)."""
+        ``imm`` (NO_IMM when the caller gave none); with ``pages_in_imm``, also how many pages (``lengths[i] //
+        stride``) it moves, which the target counts."""
         uniform = np.isscalar(lengths)
         src, dst = np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64)
         src_c, dst_c = ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst)
@@ -206,7 +213,7 @@ class NativeEngine:
         c = ffi.new("fl_request *", {
             "routes": routes_c, "local_base": local_base, "src": src_c, "dst": dst_c, "stride": stride,
             "lengths": lengths_c, "length": lengths if uniform else 0, "count": src.size, "imm": imm,
-            "first_nic": first_nic})
+            "first_nic": first_nic, "pages_in_imm": int(pages_in_imm)})
         return Request(c, (src_c, dst_c, lengths_c, routes_c))
 
     def submit(self, request: Request, transfer: int, start: int = 0) -> int:

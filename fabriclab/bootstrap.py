@@ -7,7 +7,8 @@ you like (your RPC, a file, a key-value store).
         print(r.port)                             
         peer_bytes = r.exchange(my_bytes)
 
-Binds to 127.0.0.1 unless told otherwise; every wait has a timeout.
+Binds to 127.0.0.1 unless told otherwise; every wait has a timeout. Where a deployment already has a
+torch.distributed store or an MPI communicator, ``allgather`` swaps the same bytes through it.
 """
 from __future__ import annotations
 
@@ -102,3 +103,45 @@ def exchange(port: int, payload: bytes, host: str = "127.0.0.1", timeout: float 
         sock.settimeout(timeout)
         _send(sock, bytes(payload))
         return _recv(sock)
+
+
+# ------------------------------------------------------------------- through a serving framework's own
+
+
+def allgather(payload: bytes, *, store=None, rank: int | None = None, world_size: int | None = None, comm=None,
+              key: str = "fabriclab", timeout: float = 30.0) -> list[bytes]:
+    """Every rank's ``payload`` (e.g. ``pack(engine.address, region.descriptor())``), in rank order, through
+    what a deployment already has, as serving frameworks exchange their own addresses:
+
+    * ``store``: a torch.distributed Store (TCPStore, FileStore, ...; anything with set(key, bytes),
+      get(key) returning bytes and optionally wait(keys, timedelta)), with this process's
+      ``rank`` and the ``world_size``. Keys are ``{key}/{rank}``: use a fresh ``key`` per exchange.
+    * ``comm``: an mpi4py communicator (its allgather).
+    * neither: mpi4py's COMM_WORLD when mpi4py is installed.
+
+    Neither torch nor mpi4py is a dependency: nothing is imported until used. Waits at most ``timeout``
+    seconds for the other ranks (``fi.FabricTimeout``) where the store can wait."""
+    payload = bytes(payload)
+    if store is None:
+        if comm is None:
+            try:
+                from mpi4py import MPI
+            except ImportError:
+                raise fi.UsageError("bootstrap.allgather needs store= (a torch.distributed Store, with rank= and "
+                                    "world_size=) or comm= (an mpi4py communicator); mpi4py is not installed "
+                                    "for a default COMM_WORLD") from None
+            comm = MPI.COMM_WORLD
+        return [bytes(p) for p in comm.allgather(payload)]
+    if rank is None or world_size is None or not 0 <= rank < world_size:
+        raise fi.UsageError(f"a store exchange needs rank and world_size with 0 <= rank < world_size, got rank "
+                            f"{rank} of {world_size}")
+    keys = [f"{key}/{r}" for r in range(world_size)]
+    store.set(keys[rank], payload)
+    if hasattr(store, "wait"):
+        import datetime
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout))
+        except Exception as exc:  # torch raises its own DistStoreError/RuntimeError on timeout
+            raise fi.FabricTimeout(f"all {world_size} ranks setting {key!r}/RANK in the store", timeout,
+                                   f"{type(exc).__name__}: {exc}") from None
+    return [bytes(store.get(k)) for k in keys]

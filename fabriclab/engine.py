@@ -11,7 +11,7 @@ hands it writes and gets back futures.
         peer = engine.connect(peer_address)         # any time, in any order; no world
         done = peer.write_pages(region, [0, 1, 2], peer_region, [7, 8, 9], page_size=65536, imm=42)
         done.result()                               # or: await done; or done.add_done_callback(...)
-    # on the peer:  engine.expect(42, 3).result()   # three writes carrying 42 have landed
+    # on the peer:  engine.expect(42, 3).result()   # three pages carrying 42 have landed
 
 Every transfer has a deadline (``Engine(timeout=...)`` or per call). Failures are typed —
 :class:`PeerLost`, :class:`TransferTimeout`, :class:`RegionClosed`, :class:`InvalidDescriptor`,
@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _native, fi, shmclean
-from .nics import NicSet, NicSlot, host_identity, same_host_path, unique_registrations, worker_cores
+from .nics import (NicSet, NicSlot, default_layout, discover_topology, group_nics, host_identity, same_host_path,
+                   topology_groups_holding, unique_registrations, worker_cores)
 
 FabriclabError, UsageError = fi.FabriclabError, fi.UsageError  # the error root, and bad input (exported)
 
@@ -158,6 +159,7 @@ class TransferResult:
     writes: int
     elapsed_s: float
     buffer_safe: bool = True
+    pages: int = 0  # what the peer's expect() counts for it: pages of write_pages, pieces of write
 
 
 class _Safety:
@@ -241,11 +243,14 @@ class Transfer(_AwaitableFuture):
     """The future of a TransferResult: wait with result(), add callbacks, or await it under asyncio.
 
     A transfer cannot be cancelled once submitted (its writes are in the NICs' queues): ``cancel()``
-    returns False. ``wait_safe(timeout)`` waits until no write of it can read the local buffer."""
+    returns False. ``wait_safe(timeout)`` waits until no write of it can read the local buffer.
+    ``writes``: how many writes it became (contiguous pages coalesced); ``pages``: how many the peer's
+    ``Engine.expect`` counts for it (one per page of write_pages, whatever the coalescing)."""
 
-    def __init__(self, writes: int, nbytes: int, deadline: float, safety: _Safety):
+    def __init__(self, writes: int, nbytes: int, deadline: float, safety: _Safety, pages: int | None = None):
         super().__init__()
         self.writes, self.bytes, self.deadline = writes, nbytes, deadline
+        self.pages = writes if pages is None else pages
         self.started = time.perf_counter()
         self._safety = safety
         self.set_running_or_notify_cancel()  # running: cancel() refuses instead of lying
@@ -437,6 +442,21 @@ class RemoteRegion:
 # ------------------------------------------------------------------------------------------- peers
 
 
+def coalesce_pages(src: np.ndarray, dst: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Page lists as runs: (first source page, first destination page, pages) of each run of pages that are
+    consecutive on both sides, at most ``most`` pages a run. A permuted list stays one page per run."""
+    n = src.size
+    starts_run = np.ones(n, dtype=bool)
+    starts_run[1:] = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    starts = np.flatnonzero(starts_run)
+    lengths = np.diff(np.append(starts, n))
+    pieces = -(-lengths // most)  # runs longer than ``most`` split into pieces of ``most`` (the last shorter)
+    run = np.repeat(np.arange(starts.size), pieces)
+    within = (np.arange(run.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * most
+    first = starts[run] + within
+    return src[first], dst[first], np.minimum(most, lengths[run] - within).astype(np.uint64)
+
+
 def _parse_address(address) -> tuple[int, list, bytes]:
     """(engine id, per-NIC fi.Address, host identity) of an Engine.address; InvalidDescriptor for anything
     else."""
@@ -546,8 +566,11 @@ class Peer:
 
     def write_pages(self, local_region: Region, src_pages, remote_descriptor, dst_pages, page_size: int,
                     imm: int | None = None, timeout: float | None = None) -> Transfer:
-        """Write page ``src_pages[i]`` of the local region to page ``dst_pages[i]`` of the peer's, one
-        write per page, striped over the NICs, batched and posted lazily by the engine's threads."""
+        """Write page ``src_pages[i]`` of the local region to page ``dst_pages[i]`` of the peer's, striped
+        over the NICs, batched and posted lazily by the engine's threads. Runs of pages contiguous on both
+        sides go as one write each, of at most 1 MiB and leaving at least one write per NIC
+        (``Transfer.writes`` says how many writes it became); with ``imm``, the peer's ``Engine.expect``
+        still counts pages: each write carries how many it moves."""
         remote = self._remote(remote_descriptor)
         page_size = _integer(page_size, "page_size", 1)
         src, dst = _pages(src_pages, "local"), _pages(dst_pages, "remote")
@@ -559,7 +582,13 @@ class Peer:
                 bad = pages[(pages < 0) | (pages >= last)][0]
                 raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
                                  f"{side} region")
-        return self.engine._service.submit(self, local_region, remote, src, dst, page_size, page_size, imm, timeout)
+        service = self.engine._service
+        src, dst, runs = coalesce_pages(src, dst, service.pages_per_write(src.size, page_size))
+        lengths = runs * np.uint64(page_size)
+        if lengths.min() == lengths.max():  # one length for every write (a permuted list: one page each)
+            lengths = int(lengths[0])
+        return service.submit(self, local_region, remote, src, dst, page_size, lengths, imm, timeout,
+                              pages=int(runs.sum()))
 
     def close(self) -> None:
         """No more writes through this Peer; the peer (or its restarted self) may connect again later.
@@ -577,10 +606,14 @@ class Peer:
 class Engine:
     """The transfer engine. See the module docstring for a tour.
 
-    ``provider``/``domains``/``nics`` pick the NICs (default: every domain of the best provider;
-    ``nics`` above the real count adds emulated NICs); ``threads`` worker threads (default: one per
-    topology group that has NICs, at most the NIC count), pinned to the cores fabriclab.topology
-    proposes (two pinned engines on one host would share those cores: give one ``pin=False``);
+    ``provider``/``domains``/``nics`` pick the NICs and ``threads`` the worker threads; left out, they
+    suit the host (``fabriclab.nics.default_layout``): every real NIC and a thread per topology group
+    (GPU) where there are several NICs; on a provider with one domain (shm, tcp on one interface) a thread
+    per spare core (one core left to the caller; at most 8) and an emulated NIC slot per thread. ``nics``
+    above the real count adds emulated NICs. The engine's repr and ``stats()`` (its "layout") say what was
+    chosen. Each GPU's NICs go to one worker (``fabriclab.nics.group_nics``), pinned to a core
+    fabriclab.topology proposes near them (two pinned engines on one host would share those cores: give
+    one ``pin=False``);
     ``timeout`` is every transfer's default deadline in seconds; a NIC with writes in flight and no
     completion for ``link_timeout`` seconds (default a third of ``timeout``; 0: never) no longer reaches
     those writes' peers: they go over the other NICs (failover; ``stats()`` names the NIC) and fail with
@@ -677,10 +710,12 @@ class Engine:
         return peer
 
     def expect(self, imm: int, count: int, timeout: float | None = None) -> concurrent.futures.Future:
-        """A future that completes when ``count`` writes carrying ``imm`` have landed here (counted, never
-        ordered; arrivals before the call count too, and are consumed by it)."""
+        """A future that completes when ``count`` pages carrying ``imm`` have landed here (counted, never
+        ordered; arrivals before the call count too, and are consumed by it). A page is a page of
+        :meth:`Peer.write_pages` (however the writer coalesced them) or a piece of :meth:`Peer.write`. ``imm`` is at most
+        MAX_IMM (2**24 - 2)."""
         self._service.check_open()
-        imm = _integer(imm, "imm", 0, _native.NO_IMM - 1)
+        imm = _integer(imm, "imm", 0, _native.MAX_IMM)
         count = _integer(count, "count", 1, 2 ** 63 - 1)
         return self._service.expect(imm, count, fi.seconds(timeout, "timeout", self.timeout))
 
@@ -688,7 +723,9 @@ class Engine:
         """A snapshot: per-NIC counters (bytes, writes, completions, EAGAINs, CQ polls, errors, arrivals;
         ``"unreported"``: writes given up on that the provider has not reported yet, ``"retried"``: writes
         posted once more after failing right after a revival, ``"renewals"``: fresh endpoints; ``"down"``:
-        why paths were last marked down) and what is in flight. After ``close()``, the last snapshot,
+        why paths were last marked down) and what is in flight; "layout": the NIC slots and threads and
+        whether defaults chose them, the worker group of each slot; "submitted": transfers, pages asked
+        for and the writes they became (contiguous pages coalesced). After ``close()``, the last snapshot,
         with ``closed: True``."""
         return self._service.stats()
 
@@ -707,8 +744,11 @@ class Engine:
         return False
 
     def __repr__(self) -> str:
-        state = "closed" if self._service.closed else f"{self.threads} thread(s)"
-        return f"<Engine {self.provider} {self.nics} NIC(s) ({self.emulated_nics} emulated), {state}>"
+        service = self._service
+        state = "closed" if service.closed else f"{self.threads} thread(s)"
+        chosen = [k for k in ("nics", "threads") if service.chosen[k] == "default"]
+        why = f"; defaults for {' and '.join(chosen)}: {service.layout.why}" if chosen else ""
+        return f"<Engine {self.provider} {self.nics} NIC(s) ({self.emulated_nics} emulated), {state}{why}>"
 
 
 class _Service:
@@ -733,7 +773,20 @@ class _Service:
         if reclaimed:
             logging.getLogger("fabriclab").info(shmclean.describe(reclaimed))
         # With GPUs, ask for FI_HMEM so CUDA arrays can be registered (where the provider offers it).
-        self.nics = NicSet(provider, nics, domains, "cuda" if gpu else "host")
+        memory_kind = "cuda" if gpu else "host"
+        self.nics = NicSet(provider, nics, domains, memory_kind)
+        try:
+            topology = discover_topology(self.nics.provider)
+            real = [s.domain_name for s in self.nics.slots if not s.emulated]
+            self.layout = default_layout(self.nics.real_nics, topology_groups_holding(real, topology),
+                                         len(os.sched_getaffinity(0)))
+            wanted = max(self.layout.nics, threads or 0)
+            if nics is None and wanted > len(self.nics.slots):  # one domain: emulated slots, one per thread
+                self.nics.close()
+                self.nics = NicSet(provider, wanted, domains, memory_kind)
+        except BaseException:
+            self.nics.close()
+            raise
         self.provider, self.emulated = self.nics.provider, self.nics.emulated
         try:
             self.native = _native.NativeEngine(self.nics)
@@ -741,12 +794,17 @@ class _Service:
             self.native.attach_immediates(IMM_SLOTS)
             if in_flight is not None:
                 self.native.limit_in_flight(in_flight)
-            self.threads = threads or self._default_threads()
+            self.threads = threads or min(self.layout.threads, len(self.nics.slots))
             if self.threads > len(self.nics.slots):
                 raise fi.UsageError(f"threads must be between 1 and the number of NICs ({len(self.nics.slots)}), "
                                     f"got {self.threads}")
-            self.worker_cores = worker_cores(self.threads, self.provider) if pin else []
-            self.native.start_service(self.threads, batch, fi_more, timeout, link_timeout, self.worker_cores)
+            self.chosen = {"nics": "given" if nics is not None else "default",
+                           "threads": "given" if threads is not None else "default",
+                           "why": self.layout.why if nics is None or threads is None else "given by the caller"}
+            self.groups = group_nics([s.domain_name for s in self.nics.slots], self.threads, topology)
+            self.worker_cores = worker_cores(self.threads, self.provider, groups=self.groups) if pin else []
+            self.native.start_service(self.threads, batch, fi_more, timeout, link_timeout, self.worker_cores,
+                                      list(self.groups.of_slot))
         except BaseException:
             self.nics.close()
             raise
@@ -764,20 +822,19 @@ class _Service:
         self.expectations: list[tuple[int, int, concurrent.futures.Future, float]] = []
         self.retired_regions: list[_RegionState] = []
         self.next_deadline = float("inf")  # the earliest deadline the reaper has to look at
+        self.max_msg_size = min(s.info.max_msg_size for s in self.nics.slots)
+        self.submitted = {"transfers": 0, "pages": 0, "writes": 0}  # pages: as asked; writes: after coalescing
         # The workers poll without rest; any other busy thread landing on their cores stalls a NIC.
         self.housekeeping_cores = frozenset(os.sched_getaffinity(0)) - frozenset(self.worker_cores)
         self.reaper = threading.Thread(target=self._reap, name="fabriclab-engine-reaper", daemon=True)
         self.reaper.start()
 
-    def _default_threads(self) -> int:
-        from . import topology
-        try:
-            groups = [g for g in topology.Topology.discover(provider=self.provider).groups if g.nics]
-        except Exception:  # topology is advice only
-            groups = []
-        return max(1, min(len(groups) or 1, len(self.nics.slots), os.cpu_count() or 1))
-
     # ------------------------------------------------------------------------------ for the Engine
+
+    def layout_summary(self) -> dict:
+        """What the engine drives and why: NIC slots and threads, each ``"default"`` (nics.default_layout
+        chose it for this host) or ``"given"``; the worker group of every slot (nics.group_nics)."""
+        return {**self.chosen, "groups": list(self.groups.of_slot)}
 
     def check_open(self) -> None:
         if self.pid != os.getpid():
@@ -802,7 +859,7 @@ class _Service:
                     if why:
                         self._note_stuck(slot, unreported, why)
                     else:
-                        stuck.setdefault(slot.index % self.threads, []).append((slot, unreported))
+                        stuck.setdefault(self.groups.of_slot[slot.index], []).append((slot, unreported))
             for slots in stuck.values():
                 # The slot's worker keeps off its NICs meanwhile: a provider may progress an endpoint bound to
                 # a CQ as soon as it is bound (shm does, and crashes on one not enabled yet).
@@ -870,11 +927,22 @@ class _Service:
             if note:
                 entry["down"] = f"{entry['down']}; {note}" if entry["down"] else note
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
-                "threads": self.threads, "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
+                "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
+                "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
                 "expectations": expecting, "per_nic": per_nic, "closed": False}
 
+    def pages_per_write(self, pages: int, page_size: int) -> int:
+        """The most pages one write of a transfer of ``pages`` pages may carry: enough writes that every
+        NIC slot gets one (a transfer of a few large writes would leave NICs idle), none above
+        DEFAULT_STRIPE bytes (at 1 MiB a write's posting cost is already small next to its copy or wire
+        time, and Peer.write stripes at the same size), nor the provider's max_msg_size, nor what the
+        immediate data can count (MAX_PAGES_PER_WRITE)."""
+        every_nic = pages // len(self.nics.slots)
+        largest = min(DEFAULT_STRIPE, self.max_msg_size) // page_size
+        return max(1, min(every_nic, largest, _native.MAX_PAGES_PER_WRITE))
+
     def submit(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths, imm,
-               timeout) -> Transfer:
+               timeout, pages: int | None = None) -> Transfer:
         """Hand one request to the native engine (it builds the writes and stripes them over the NICs) and
         track its future. Write i moves lengths[i] (or ``lengths`` bytes) from src[i] * stride of the
         region to dst[i] * stride of the peer's."""
@@ -884,17 +952,18 @@ class _Service:
             raise fi.UsageError("that peer was closed; connect again")
         if region.engine._service is not self:
             raise fi.UsageError("that region was registered with another engine")
-        imm = _native.NO_IMM if imm is None else _integer(imm, "imm", 0, _native.NO_IMM - 1)
+        imm = _native.NO_IMM if imm is None else _integer(imm, "imm", 0, _native.MAX_IMM)
         timeout = fi.seconds(timeout, "timeout", self.timeout)
         n = src.size
         uniform = np.isscalar(lengths)
         nbytes = n * lengths if uniform else int(lengths.sum())
         deadline = time.monotonic() + timeout
-        transfer = Transfer(n, nbytes, deadline, _Safety(self.timeout))
+        transfer = Transfer(n, nbytes, deadline, _Safety(self.timeout), pages)
         routes = peer._routes_to(region, remote)
         # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
         # worker threads see traffic arrive and keep polling: software providers need the target to poll.
-        request = self.native.request(routes, region.address, src, dst, stride, lengths, imm, peer._next_nic)
+        request = self.native.request(routes, region.address, src, dst, stride, lengths, imm, peer._next_nic,
+                                      pages_in_imm=pages is not None)
         peer._next_nic = (peer._next_nic + n) % len(peer.fi_addrs)
         state = region._state
         fields = _native.TRANSFER_FIELDS
@@ -905,6 +974,9 @@ class _Service:
             self.transfers[fields * tid:fields * (tid + 1)] = (n, 0, 0)
             self.in_use[tid] = (transfer, state, routes)
             state.in_use += 1
+            self.submitted["transfers"] += 1
+            self.submitted["pages"] += transfer.pages
+            self.submitted["writes"] += n
             if deadline < self.next_deadline:
                 self.next_deadline = deadline
                 self.native.wake()
@@ -986,7 +1058,8 @@ class _Service:
 
     def _snapshot_after_stop(self) -> dict:
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
-                "threads": self.threads, "transfers_in_flight": 0, "abandoned_in_flight": 0, "expectations": 0,
+                "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
+                "transfers_in_flight": 0, "abandoned_in_flight": 0, "expectations": 0,
                 "per_nic": self.native.counters()}
 
     def _reap(self) -> None:
@@ -1122,7 +1195,8 @@ class _Service:
             transfer.set_exception(TransferTimeout(f"{left} of {transfer.writes} writes had not completed by the "
                                                    "deadline (peer gone or stalled?)", buffer_safe=safe, safety=safety))
         else:
-            transfer.set_result(TransferResult(transfer.bytes, transfer.writes, time.perf_counter() - transfer.started))
+            transfer.set_result(TransferResult(transfer.bytes, transfer.writes, time.perf_counter() - transfer.started,
+                                               pages=transfer.pages))
 
     def _retire_regions(self) -> None:
         """Deregister closed regions once no write can still touch them."""

@@ -27,7 +27,7 @@ import numpy as np
 from . import bidirectional, cli, fi, memory, opqueue, rdma_write
 from ._fabric import ffi, lib
 from ._native import NativeEngine
-from .nics import NicSet, release_nics, worker_cores
+from .nics import NicGroups, NicSet, discover_topology, group_nics, release_nics, worker_cores
 from .rdma_write import PagePlan, Report, Writer, WriteStats
 
 PREPARE_NICS, REGIONS = 10, 11
@@ -179,6 +179,7 @@ class MultiNicWriter(Writer):
         self.nicset: NicSet | None = None
         self.engine: NativeEngine | None = None
         self.registrations: list[memory.Registration] = []
+        self.nic_groups: NicGroups | None = None
 
     @classmethod
     def options_from_args(cls, args) -> dict:
@@ -202,6 +203,9 @@ class MultiNicWriter(Writer):
         groups = self.switches()["groups"]
         if groups > len(self.nicset.slots):
             raise fi.UsageError(f"{groups} GPU groups need at least as many NICs, got {len(self.nicset.slots)}")
+        # each GPU with its own NICs (fabriclab.topology), so that a thread pinned beside a GPU drives that GPU's
+        self.nic_groups = group_nics([s.domain_name for s in self.nicset.slots], groups,
+                                     discover_topology(self.nicset.provider))
         request = {"page_size": plan.page_size, "buffer_bytes": plan.buffer_bytes, "memory": memory_kind,
                    "seed": seed, "nics": len(self.nicset.slots), "addresses": self.nicset.addresses(),
                    "writes": plan.writes,
@@ -219,7 +223,7 @@ class MultiNicWriter(Writer):
                 raise fi.UsageError(f"the target's region has {region.length} bytes, the plan needs {plan.buffer_bytes}")
             dest = slot.av.insert(fi.Address.parse(remote["address"]))
             self.engine.set_peer(slot.index, dest, region)
-            self.engine.nic(slot.index).group = slot.index % groups
+            self.engine.nic(slot.index).group = self.nic_groups.of_slot[slot.index]
         if self.in_flight:
             self.engine.limit_in_flight(self.in_flight)
         return {"local": self.registrations[0].path, "local_why": self.registrations[0].why,
@@ -244,7 +248,7 @@ class MultiNicWriter(Writer):
         return cfg
 
     def worker_cores(self, threads: int) -> list[int]:
-        return worker_cores(threads, self.stack.info.provider, self.cores)
+        return worker_cores(threads, self.stack.info.provider, self.cores, self.nic_groups)
 
     def transfer(self, warmup: int = 0) -> EngineStats:
         """Run the whole plan in the engine. ``warmup`` (writes) is ignored: chapter 10's warm-up is one

@@ -187,19 +187,157 @@ def unique_registrations(registrations: list[memory.Registration]) -> list[memor
     return out
 
 
-def worker_cores(threads: int, provider: str, cores: list[int] | None = None) -> list[int]:
-    """Cores to pin worker threads to: given, or proposed by fabriclab.topology for the NICs' groups
-    (then the rest of the allowed cores, core 0 last)."""
+# ------------------------------------------------------------------------------ defaults and groups
+
+#: Cores Engine() leaves to its caller by default: the caller's own threads (the one that submits
+#: transfers, the reaper) need a core the polling workers never take.
+CALLER_CORES = 1
+#: At most this many worker threads (and emulated NIC slots) by default on a provider with one domain.
+#: There every write is a memory copy by a core: two processes on one host (shm's only case) share the
+#: memory bandwidth, which 8 copying threads already saturate on the hosts measured (issue 15: 1024 x 64 KiB
+#: pages, 20-28 GB/s with 8 threads on a 16-core box); more threads only take cores from the peer.
+ONE_DOMAIN_THREADS = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How many NIC slots and worker threads an engine drives, and why (``Engine()``'s defaults)."""
+    nics: int
+    threads: int
+    why: str
+
+
+def default_layout(real_nics: int, topology_groups: int, usable_cores: int) -> Layout:
+    """The NIC slots and worker threads ``Engine()`` picks when not told.
+
+    ``real_nics``: domains the provider offers; ``topology_groups``: groups of fabriclab.topology that hold
+    those NICs (one per GPU on a GPU host); ``usable_cores``: cores this process may run on
+    (``os.sched_getaffinity``). Workers poll without rest, so at most ``usable_cores - CALLER_CORES`` of them.
+
+    * Several real NICs (EFA): every real NIC, no emulated ones; one thread per topology group (each pinned
+      beside its GPU, driving that GPU's NICs), at most one per NIC and per spare core.
+    * One domain (shm, tcp on one interface): one NIC drives nothing in parallel, so one emulated NIC slot
+      per worker thread, as many threads as spare cores, at most ONE_DOMAIN_THREADS.
+    """
+    spare = max(1, usable_cores - CALLER_CORES)
+    if real_nics > 1:
+        threads = max(1, min(topology_groups or 1, real_nics, spare))
+        return Layout(real_nics, threads, f"{real_nics} real NICs in {topology_groups or 1} topology group(s), "
+                                          f"a thread per group ({spare} spare core(s))")
+    threads = min(spare, ONE_DOMAIN_THREADS)
+    return Layout(threads, threads, f"one domain: a NIC slot per thread, a thread per spare core ({usable_cores} "
+                                    f"usable, {CALLER_CORES} left to the caller, at most {ONE_DOMAIN_THREADS})")
+
+
+@dataclass(frozen=True)
+class NicGroups:
+    """NIC slots split into worker groups by topology. ``of_slot[i]``: the group of slot i;
+    ``gpu_of_slot[i]``: the GPU whose NICs slot i belongs to (None where unknown or without GPU);
+    ``cores[g]``: the cores near group g's NICs (from fabriclab.topology; empty where it says nothing)."""
+    of_slot: tuple
+    gpu_of_slot: tuple
+    cores: tuple
+
+    @property
+    def count(self) -> int:
+        return len(self.cores)
+
+    def slots_of_gpu(self, gpu: int | None) -> list[int]:
+        """The slots of the NICs of GPU ``gpu``, where it has some (else every slot): a GPU region leaves
+        through these."""
+        mine = [i for i, g in enumerate(self.gpu_of_slot) if gpu is not None and g == gpu]
+        return mine or list(range(len(self.of_slot)))
+
+
+def group_nics(domains: list[str], groups: int, topology=None) -> NicGroups:
+    """Split NIC slots into ``groups`` worker groups, each GPU with its own NICs.
+
+    ``domains[i]`` is slot i's domain (emulated slots name the real NIC they share, and follow it);
+    ``topology`` a ``fabriclab.topology.Topology`` (None: it says nothing). The slots of each topology
+    group (in the topology's order: one per GPU, or per NUMA node without GPUs) form a cluster; slots whose
+    domain the topology does not know form one last cluster, in index order. With fewer groups than
+    clusters, neighbouring clusters merge (GPUs 0-1, 2-3, ...: same socket on a p5); with more, each
+    cluster gets groups in proportion to its slots and deals its slots over them in index order. Without
+    topology this is index order: slot i in group i % groups.
+    """
+    if not 1 <= groups <= len(domains):
+        raise fi.UsageError(f"{groups} groups need between 1 and {len(domains)} (the NIC slots) groups")
+    topo_groups = list(topology.groups) if topology is not None else []
+    home = {}
+    for t, g in enumerate(topo_groups):
+        for domain in g.nics:
+            home.setdefault(domain, t)
+    clusters: list[tuple[object, list[int]]] = []  # (topology group or None, its slots)
+    for t, g in enumerate(topo_groups):
+        slots = [i for i, d in enumerate(domains) if home.get(d) == t]
+        if slots:
+            clusters.append((g, slots))
+    unknown = [i for i, d in enumerate(domains) if d not in home]
+    if unknown:
+        clusters.append((None, unknown))
+    shares = [1] * len(clusters) if groups >= len(clusters) else None
+    of_slot = [0] * len(domains)
+    members: list[list] = [[] for _ in range(groups)]  # topology groups each worker group covers
+    if shares is None:
+        for j, (g, slots) in enumerate(clusters):
+            mine = j * groups // len(clusters)
+            members[mine].append(g)
+            for i in slots:
+                of_slot[i] = mine
+    else:
+        for _ in range(groups - len(clusters)):  # the next group to the cluster with most slots per group
+            j = max((j for j in range(len(clusters)) if shares[j] < len(clusters[j][1])),
+                    key=lambda j: len(clusters[j][1]) / shares[j])
+            shares[j] += 1
+        first = 0
+        for (g, slots), share in zip(clusters, shares):
+            for k, i in enumerate(slots):
+                of_slot[i] = first + k % share
+            for mine in range(first, first + share):
+                members[mine].append(g)
+            first += share
+    gpu_of = {t: g.gpu for t, g in enumerate(topo_groups)}
+    cores = tuple(tuple(dict.fromkeys(c for g in covered if g is not None for c in g.cores)) for covered in members)
+    return NicGroups(tuple(of_slot), tuple(gpu_of.get(home.get(d)) for d in domains), cores)
+
+
+def topology_groups_holding(domains: list[str], topology) -> int:
+    """How many of ``topology``'s groups hold one of ``domains`` (0 without topology)."""
+    wanted = set(domains)
+    return sum(any(d in wanted for d in g.nics) for g in topology.groups) if topology is not None else 0
+
+
+def discover_topology(provider: str):
+    """fabriclab.topology's view of this host for ``provider``'s NICs, or None when it cannot tell
+    (topology is advice: grouping then falls back to index order)."""
+    from . import topology
+    try:
+        return topology.Topology.discover(provider=provider)
+    except Exception:  # sysfs or cuda-python missing or odd: advice only, never fatal
+        return None
+
+
+def worker_cores(threads: int, provider: str, cores: list[int] | None = None,
+                 groups: NicGroups | None = None) -> list[int]:
+    """Cores to pin worker threads to: given, or thread t on a core near group t's NICs (``groups``, from
+    group_nics; without it, the topology's groups in turn), then the rest of the allowed cores, core 0 last."""
     allowed = sorted(os.sched_getaffinity(0))
     if cores:
         cores = list(cores)
     else:
-        from . import topology
-        groups = [[c for c in g.cores if c in allowed] for g in topology.Topology.discover(provider=provider).groups]
-        groups = [g for g in groups if g]
-        # thread t goes to group t % G (one thread per GPU group first), taking that group's cores in turn
-        proposed = [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]
-        cores = proposed + [c for c in allowed if c not in proposed]
+        spare = [c for c in allowed if c != 0] + [c for c in allowed if c == 0]
+        if groups is None:
+            topo = discover_topology(provider)
+            near = [[c for c in g.cores if c in allowed] for g in (topo.groups if topo else [])]
+            near = [g for g in near if g]
+            # thread t goes to group t % G (one thread per GPU group first), taking that group's cores in turn
+            proposed = [g[i] for i in range(max(map(len, near), default=0)) for g in near if i < len(g)]
+        else:
+            proposed = []
+            for t in range(min(threads, len(allowed))):
+                near = groups.cores[t] if t < groups.count else ()
+                proposed.append(next((c for c in [*near, *spare] if c in allowed and c not in proposed)))
+        cores = proposed + [c for c in spare if c not in proposed]
     if threads > len(cores):
         raise fi.UsageError(f"{threads} pinned threads need as many cores, but only {len(cores)} are available "
                             f"({', '.join(map(str, cores))}); use fewer threads")

@@ -254,9 +254,11 @@ void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes) {
     transfer_finished_writes(e, transfer, (int64_t)writes);
 }
 
-/* 1 when the immediate data was one somebody may wait for. */
+/* 1 when the immediate data was one somebody may wait for. A write counts as the pages it carries. */
 static int count_imm(fl_engine *e, uint64_t imm) {
     if (!e->imm_keys || imm == FL_NO_IMM) return 0;
+    uint64_t pages = (imm >> FL_IMM_VALUE_BITS) + 1;
+    imm &= (1ull << FL_IMM_VALUE_BITS) - 1;
     uint64_t key = imm + 1, mask = e->imm_capacity - 1;
     for (uint64_t probe = 0; probe <= mask; probe++) {
         uint64_t i = (imm * 0x9E3779B97F4A7C15ull + probe) & mask;
@@ -265,7 +267,7 @@ static int count_imm(fl_engine *e, uint64_t imm) {
                                                      __ATOMIC_ACQUIRE))
             seen = key;
         if (seen == key) {
-            __atomic_fetch_add(&e->imm_counts[i], 1, __ATOMIC_RELEASE);
+            __atomic_fetch_add(&e->imm_counts[i], pages, __ATOMIC_RELEASE);
             return 1;
         }
     }

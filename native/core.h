@@ -45,6 +45,10 @@ typedef struct fl_op {
 #define FL_NO_TRANSFER 0xffffffffu
 #define FL_NO_IMM 0xffffffffull /* sent when the caller gave none, so targets still see traffic */
 #define FL_TRANSFER_FIELDS 3
+/* The service's immediate data: the caller's value in the low FL_IMM_VALUE_BITS bits and, above them, how
+ * many pages the write carries minus one, so that a target counts a write of several coalesced pages as
+ * that many (fl_imm_take counts pages). FL_NO_IMM is never a caller's value. */
+#define FL_IMM_VALUE_BITS 24
 
 /* One NIC slot: an endpoint and what it needs to write to (or count writes from) its peer slot.
  * Aligned to a cache line so that threads owning different NICs never share one. */

@@ -237,6 +237,7 @@ typedef struct fl_op {
 #define FL_NO_TRANSFER ...
 #define FL_NO_IMM ...
 #define FL_TRANSFER_FIELDS ...
+#define FL_IMM_VALUE_BITS ...
 typedef struct fl_nic {
     struct fid_ep *ep; struct fid_cq *cq; void *desc; fi_addr_t dest; uint64_t remote_base; uint64_t rkey;
     int group; uint32_t max_in_flight; uint32_t cq_data_size; uint32_t ring_capacity; uint32_t in_flight;
@@ -282,6 +283,7 @@ int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double t
 typedef struct fl_request {
     const fl_route *routes; uint64_t local_base; const int64_t *src, *dst; uint64_t stride;
     const uint64_t *lengths; uint64_t length; uint64_t count; uint64_t imm; uint32_t transfer; uint32_t first_nic;
+    uint32_t pages_in_imm;
 } fl_request;
 int fl_service_start(fl_engine *e, const fl_config *cfg);
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);

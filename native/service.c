@@ -38,11 +38,10 @@ static int push_inbox(engine_state *st, int worker, const fl_op *op) {
  * the others' through their inboxes); fail it when no NIC does. */
 void service_reroute(thread_ctx *t, const fl_op *failed) {
     fl_engine *e = t->e;
-    int threads = t->cfg->threads;
     for (int pass = 0; pass < 2; pass++) {
         for (int i = 0; i < e->nnics; i++) {
             int k = (int)((t->reroute_rr + (uint32_t)i) % (uint32_t)e->nnics);
-            int mine = k % threads == t->id;
+            int owner = e->nics[k].group, mine = owner == t->id;
             const fl_route *route = &failed->routes[k];
             /* another worker's table is read without its lock: a stale answer only costs one more hop */
             if (k == failed->nic || mine != (pass == 0) || path_dead(e, &t->st->nics[k], k, route->dest)) continue;
@@ -55,7 +54,7 @@ void service_reroute(thread_ctx *t, const fl_op *failed) {
             if (mine && !ring_full(&e->nics[k])) {
                 *ring_slot(&e->nics[k]) = op;
                 e->nics[k].ring_tail++;
-            } else if (!push_inbox(t->st, k % threads, &op)) {
+            } else if (!push_inbox(t->st, owner, &op)) {
                 continue;
             }
             t->reroute_rr = (uint32_t)k + 1;
@@ -142,7 +141,8 @@ static void service_revive(thread_ctx *t) {
     uint32_t epoch = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
     if (epoch == t->revive_seen) return;
     t->revive_seen = epoch;
-    for (int k = t->id; k < e->nnics; k += t->cfg->threads) {
+    for (int i = 0; i < t->groups->nnics; i++) {
+        int k = t->groups->nics[i];
         fl_nic *n = &e->nics[k];
         nic_state *ns = &t->st->nics[k];
         struct fid_ep *fresh = __atomic_exchange_n(&n->next_ep, NULL, __ATOMIC_ACQ_REL);
@@ -181,7 +181,7 @@ int fl_worker_park(fl_engine *e, int nic, double timeout_s) {
     engine_state *st = e->state;
     int threads = st ? st->service_threads : 0;
     if (threads <= 0 || nic < 0 || nic >= e->nnics) return 0;
-    int w = nic % threads;
+    int w = e->nics[nic].group;
     uint64_t until = fl_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     struct timespec pause = {0, 20000};
     atomic_store_explicit(&st->park_request[w], 1, memory_order_release);
@@ -199,7 +199,7 @@ void fl_worker_unpark(fl_engine *e, int nic) {
     engine_state *st = e->state;
     int threads = st ? st->service_threads : 0;
     if (threads > 0 && nic >= 0 && nic < e->nnics)
-        atomic_store_explicit(&st->park_request[nic % threads], 0, memory_order_release);
+        atomic_store_explicit(&st->park_request[e->nics[nic].group], 0, memory_order_release);
 }
 
 int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep) {
@@ -293,6 +293,7 @@ static void *service_thread(void *arg) {
     thread_ctx *t = arg;
     fl_engine *e = t->e;
     const fl_config *cfg = t->cfg;
+    const group *mine = t->groups; /* the NICs this worker owns (fl_nic.group == its id) */
     if (cfg->pin) {
         cpu_set_t set;
         CPU_ZERO(&set);
@@ -310,12 +311,13 @@ static void *service_thread(void *arg) {
         service_revive(t); /* a peer (re)connected: every path gets another chance */
         if (cfg->link_timeout_s > 0 && (++passes & 1023) == 0) {
             uint64_t now = fl_now_ns();
-            for (int k = t->id; k < e->nnics; k += cfg->threads)
-                if (link_stalled(t, k, now)) service_paths_down(t, k);
+            for (int i = 0; i < mine->nnics; i++)
+                if (link_stalled(t, mine->nics[i], now)) service_paths_down(t, mine->nics[i]);
         }
         int busy = drain_inbox(t, (uint32_t)cfg->batch * 64);
         uint32_t outstanding = 0;
-        for (int k = t->id; k < e->nnics; k += cfg->threads) {
+        for (int i = 0; i < mine->nnics; i++) {
+            int k = mine->nics[i];
             int got = poll_nic(t, k);
             if (got < 0) return NULL;
             busy |= got;
@@ -350,6 +352,7 @@ static void service_release(engine_state *st, int started, int boxes) {
         st->inboxes[w].ops = NULL;
         pthread_mutex_destroy(&st->inboxes[w].lock);
     }
+    if (st->service_ctx) free(st->service_ctx[0].groups);
     free(st->service_ctx);
     st->service_ctx = NULL;
     st->service_threads = 0;
@@ -368,17 +371,25 @@ int fl_service_start(fl_engine *e, const fl_config *cfg) {
         snprintf(e->error, FL_ERROR_LEN, "invalid service configuration");
         return e->error_code = -FI_EINVAL;
     }
+    for (int k = 0; k < e->nnics; k++)
+        if (e->nics[k].group < 0 || e->nics[k].group >= cfg->threads) {
+            snprintf(e->error, FL_ERROR_LEN, "NIC %d belongs to worker %d, outside 0..%d", k, e->nics[k].group,
+                     cfg->threads - 1);
+            return e->error_code = -FI_EINVAL;
+        }
     int rc = prepare_slots(e);
     if (rc) return e->error_code = rc;
     st->service_cfg = *cfg;
     st->service_ctx = calloc(cfg->threads, sizeof(thread_ctx));
+    group *owned = calloc(cfg->threads, sizeof(group)); /* worker w's NICs: those whose group is w */
+    for (int k = 0; owned && k < e->nnics; k++) owned[e->nics[k].group].nics[owned[e->nics[k].group].nnics++] = k;
     st->done_ids = calloc(DONE_CAPACITY(e), sizeof(uint32_t));
     pthread_mutex_init(&st->done_lock, NULL);
     pthread_cond_init(&st->done_cond, NULL);
     st->done_head = st->done_tail = 0;
     st->woken = 0;
     int boxes = 0;
-    for (; st->service_ctx && st->done_ids && boxes < cfg->threads; boxes++) {
+    for (; st->service_ctx && owned && st->done_ids && boxes < cfg->threads; boxes++) {
         inbox *box = &st->inboxes[boxes];
         box->ops = calloc(INBOX_CAPACITY, sizeof(fl_op));
         pthread_mutex_init(&box->lock, NULL);
@@ -388,10 +399,12 @@ int fl_service_start(fl_engine *e, const fl_config *cfg) {
         atomic_store(&st->park_request[boxes], 0);
         atomic_store(&st->parked[boxes], 0);
         st->service_ctx[boxes] = (thread_ctx){.e = e, .cfg = &st->service_cfg, .st = st, .id = boxes, .service = 1,
+                                              .ngroups = 1, .groups = &owned[boxes],
                                               .timeout_ns = (uint64_t)(cfg->timeout_s * 1e9)};
     }
     if (boxes < cfg->threads) {
-        service_release(st, 0, boxes + (st->service_ctx && st->done_ids));
+        if (!st->service_ctx || !boxes) free(owned); /* else service_release frees it, through worker 0 */
+        service_release(st, 0, boxes + (st->service_ctx && owned && st->done_ids));
         return e->error_code = -FI_ENOMEM;
     }
     for (int w = 0; w < cfg->threads; w++) {
@@ -420,15 +433,17 @@ uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start) {
     uint64_t i = start;
     uint32_t nic = (uint32_t)((r->first_nic + start) % (uint64_t)e->nnics);
     for (; i < r->count; i++) {
-        int w = (int)(nic % (uint32_t)threads);
+        int w = e->nics[nic].group;
         if (!room[w]) break;
         room[w]--;
         const fl_route *route = &r->routes[nic];
         uint64_t len = r->lengths ? r->lengths[i] : r->length;
+        uint64_t imm = r->imm;
+        if (r->pages_in_imm && imm != FL_NO_IMM) imm |= (len / r->stride - 1) << FL_IMM_VALUE_BITS;
         st->inboxes[w].ops[tail[w]++ % INBOX_CAPACITY] = (fl_op){
             .local = r->local_base + (uint64_t)r->src[i] * r->stride,
             .remote = route->remote_base + (uint64_t)r->dst[i] * r->stride, .len = len, .rkey = route->rkey,
-            .imm = r->imm, .desc = (void *)(uintptr_t)route->desc, .dest = route->dest, .routes = r->routes,
+            .imm = imm, .desc = (void *)(uintptr_t)route->desc, .dest = route->dest, .routes = r->routes,
             .transfer = r->transfer, .nic = (uint16_t)nic, .flags = FL_OP_IMM};
         if (++nic == (uint32_t)e->nnics) nic = 0;
     }

@@ -4,7 +4,9 @@
 #include "core.h"
 
 /* Service mode: worker threads that post what fl_service_submit hands them, reap completions (counting
- * them against their transfer) and count arriving immediate data, until fl_service_stop. */
+ * them against their transfer) and count arriving immediate data, until fl_service_stop. Worker w owns
+ * the NICs whose fl_nic.group is w (fabriclab.nics.group_nics: grouped by topology): set every NIC's group,
+ * in 0..threads-1, before starting. */
 int fl_service_start(fl_engine *e, const fl_config *cfg);
 /* One request of fabriclab.Engine: `count` writes, write i from local_base + src[i] * stride to
  * dst[i] * stride of the peer's region, lengths[i] bytes (or `length` when lengths is NULL), over NIC
@@ -20,6 +22,7 @@ typedef struct fl_request {
     uint64_t imm;
     uint32_t transfer;
     uint32_t first_nic;
+    uint32_t pages_in_imm;  /* write i's immediate data also says it moves lengths[i] / stride pages */
 } fl_request;
 /* Queue writes [start, count) of a request to the worker threads; returns how many were taken (fewer
  * when the inboxes are full: submit the rest later). */

@@ -270,7 +270,8 @@ def test_a_write_refused_right_after_an_fi_more_run_still_ends_the_run(fabric):
             native.nic(0).cq_data_size = 1
             assert native.park_worker(0, 5)
             try:
-                good = peer.write_pages(region, range(8), peer_proc.descriptor, range(8), PAGE, imm=7)
+                # pages swapped pairwise: no run to coalesce, eight writes in one FI_MORE run
+                good = peer.write_pages(region, range(8), peer_proc.descriptor, [1, 0, 3, 2, 5, 4, 7, 6], PAGE, imm=7)
                 refused = peer.write_pages(region, [8], peer_proc.descriptor, [8], PAGE, imm=300)
             finally:
                 native.unpark_worker(0)

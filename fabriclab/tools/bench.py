@@ -75,6 +75,9 @@ def add_arguments(p) -> None:
     runs.add_argument("--api", action="store_true",
                       help="the same workload through fabriclab.Engine.write_pages and the stage-15 path, with the "
                            "Python cost per write_pages call")
+    runs.add_argument("--defaults", action="store_true",
+                      help="Engine() with its defaults against a sweep of Engine(nics=, threads=): two processes, "
+                           "1024 x 64K and 64 x 1M pages, contiguous and permuted, plus the 8-thread memcpy ceiling")
     harness.add_argument("--rounds", type=int, default=3,
                          help="--api and --progression: interleaved runs of each path or chapter, compared by "
                               "their medians and min-max (default %(default)s)")
@@ -420,13 +423,14 @@ def compare_steps(results: list[BenchResult]) -> list[str]:
 def api_target() -> None:
     """The far side of ``--api``: an Engine with one buffer; swaps (address, descriptor) over the
     bootstrap socket, then serves until its standard input closes. Arguments: provider domains nics
-    threads bytes (``-`` for none)."""
+    threads bytes (``-`` for none: the Engine's default)."""
     from .. import bootstrap
     from ..engine import Engine
     provider, domains, nics, threads, size = sys.argv[1:6]
     # unpinned, like the stage-15 target: two engines pinned on one host would share the same cores
-    with Engine(provider, domains=None if domains == "-" else domains, nics=None if nics == "-" else int(nics),
-                threads=int(threads), pin=False, gpu=False) as engine:
+    with Engine(None if provider == "-" else provider, domains=None if domains == "-" else domains,
+                nics=None if nics == "-" else int(nics),
+                threads=None if threads == "-" else int(threads), pin=False, gpu=False) as engine:
         region = engine.register(np.zeros(int(size), dtype=np.uint8))
         with bootstrap.Rendezvous() as rendezvous:
             print(rendezvous.port, flush=True)
@@ -522,6 +526,116 @@ def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outs
     return gbps, overhead, caller_cores
 
 
+# The shapes of issue 15's benchmark: (pages per transfer, page size), each bytes-equal (64 MiB a transfer).
+DEFAULTS_SHAPES = ((1024, 64 << 10), (64, 1 << 20))
+
+
+def layout_sweep(cores: int) -> list[tuple[int, int]]:
+    """The (nics, threads) the defaults are compared with: 1, 2, 4, 8 threads as the cores allow, each with
+    one and with two NIC slots per thread."""
+    return [(per * t, t) for t in (1, 2, 4, 8) if t <= cores for per in (1, 2)]
+
+
+def defaults_comparison(provider: str | None, domain: str | None = None, layouts=None, shapes=DEFAULTS_SHAPES,
+                        transfers: int = 20, warmup: int = 2, timeout: float = 60.0, rounds: int = 3) -> dict:
+    """Engine() with its defaults against ``layouts`` ((nics, threads) pairs; default layout_sweep), each
+    writer and its target in two processes with the same layout: per shape, ``warmup`` then ``transfers``
+    timed transfers of every page, one at a time, with pages contiguous and permuted on the target. The
+    layouts take turns ``rounds`` times; GB/s per (layout, shape, order) is the median of the rounds (with
+    their spread), next to the writes a transfer became; plus the 8-thread memcpy ceiling."""
+    layouts = [None] + list(layout_sweep(len(os.sched_getaffinity(0))) if layouts is None else layouts)
+    runs, chosen = [[] for _ in layouts], {}
+    for _ in range(rounds):
+        for i, layout in enumerate(layouts):
+            runs[i].append(_defaults_round(provider, domain, layout, shapes, transfers, warmup, timeout, chosen))
+    rows = []
+    for layout, measured in zip(layouts, runs):
+        cases = measured[0]["gbs"]
+        rows.append({"layout": "defaults" if layout is None else f"nics={layout[0]} threads={layout[1]}",
+                     "gbs": {c: float(np.median([m["gbs"][c] for m in measured])) for c in cases},
+                     "spread": {c: [min(m["gbs"][c] for m in measured), max(m["gbs"][c] for m in measured)]
+                                for c in cases},
+                     "writes": measured[-1]["writes"]})
+    ceiling = memcpy_gbps(max(n * size for n, size in shapes), threads=8, repeats=5) / 8
+    pages, size = shapes[0]
+    return {"provider": provider, "rows": rows, "defaults": chosen, "memcpy_8_threads_gbs": ceiling,
+            "against_ceiling": f"{pages}x{cli.format_size(size)} permuted", "rounds": rounds,
+            "cores": len(os.sched_getaffinity(0))}
+
+
+def _defaults_round(provider, domain, layout, shapes, transfers: int, warmup: int, timeout: float,
+                    chosen: dict) -> dict:
+    """One layout's turn in defaults_comparison (a fresh target process and engine); fills ``chosen`` with
+    what the defaults picked."""
+    from ..engine import Engine
+    row = {"gbs": {}, "writes": {}}
+    with _api_peer(provider, domain, layout, max(n * size for n, size in shapes)) as (address, descriptor):
+        nics, threads = layout or (None, None)
+        with Engine(provider, domains=domain, nics=nics, threads=threads, timeout=timeout, gpu=False) as engine, \
+                _running_on(engine.housekeeping_cores):
+            if layout is None:
+                chosen.update(nics=engine.nics, threads=engine.threads, repr=repr(engine))
+            peer = engine.connect(address)
+            source = np.frombuffer(np.random.default_rng(1).bytes(max(n * size for n, size in shapes)),
+                                   dtype=np.uint8).copy()
+            region = engine.register(source)
+            for pages, size in shapes:
+                for order in ("contiguous", "permuted"):
+                    src = np.arange(pages)
+                    dst = src if order == "contiguous" else np.random.default_rng(pages).permutation(pages)
+                    for _ in range(warmup):
+                        peer.write_pages(region, src, descriptor, dst, size).result()
+                    t0 = time.perf_counter()
+                    for _ in range(transfers):
+                        done = peer.write_pages(region, src, descriptor, dst, size)
+                        done.result()
+                    key = f"{pages}x{cli.format_size(size)} {order}"
+                    row["gbs"][key] = transfers * pages * size / (time.perf_counter() - t0) / 1e9
+                    row["writes"][key] = done.writes
+    return row
+
+
+@contextlib.contextmanager
+def _api_peer(provider, domain, layout, size: int):
+    """api_target in another process with ``layout`` ((nics, threads), None: defaults); yields its (address,
+    descriptor)."""
+    import subprocess
+    from .. import bootstrap
+    nics, threads = layout or ("-", "-")
+    target = subprocess.Popen([sys.executable, "-c", "from fabriclab.tools.bench import api_target; api_target()",
+                               provider or "-", domain or "-", str(nics), str(threads), str(size)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(target.stdout.readline())
+        yield tuple(bootstrap.unpack(bootstrap.exchange(port, b"bench")))
+    finally:
+        target.stdin.close()
+        target.wait(30)
+
+
+def format_defaults(result: dict) -> str:
+    """The table of defaults_comparison: GB/s per layout and case, the defaults as % of the best layout per
+    case, and the first shape's permuted case (64K pages) as % of the 8-thread memcpy ceiling."""
+    cases = list(result["rows"][0]["gbs"])
+    width = max(len(r["layout"]) for r in result["rows"])
+    lines = [f"{'layout':<{width}}  " + "  ".join(f"{c:>22}" for c in cases) + "   (GB/s; writes per transfer)"]
+    for r in result["rows"]:
+        lines.append(f"{r['layout']:<{width}}  " + "  ".join(f"{r['gbs'][c]:>15.2f} ({r['writes'][c]:>4})"
+                                                              for c in cases))
+    defaults = result["rows"][0]
+    best = {c: max(r["gbs"][c] for r in result["rows"][1:] or result["rows"]) for c in cases}
+    lines.append(f"{'defaults % of best':<{width}}  " + "  ".join(f"{defaults['gbs'][c] / best[c] * 100:>21.0f}%"
+                                                                 for c in cases))
+    permuted = result["against_ceiling"]
+    ceiling = result["memcpy_8_threads_gbs"]
+    lines.append(f"memcpy ceiling (8 threads): {ceiling:.2f} GB/s; {permuted} with defaults "
+                 f"{defaults['gbs'][permuted] / ceiling * 100:.0f} % of it, best layout "
+                 f"{best[permuted] / ceiling * 100:.0f} %")
+    lines.append(f"medians of {result['rounds']} rounds, layouts taking turns; defaults here ({result['cores']} "
+                 f"cores): {result['defaults'].get('repr', '')}")
+    return "\n".join(lines)
+
+
 def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: float = 0.0) -> None:
     if any(r.modeled for r in results):
         print("MODELED figures: NICs of the sim provider (docs/model.md); Gbps and % of line are the model's "
@@ -569,6 +683,12 @@ def main(args) -> int:
     if switched and provider.split(";")[0] in nics.SAME_HOST_SHM_SWITCHES:
         print(f"bench: {switched}, so a server on this host is reached through the NICs, not shared memory",
               file=sys.stderr)
+    if args.defaults:
+        result = defaults_comparison(config.provider, config.domain, timeout=config.timeout, rounds=args.rounds)
+        print(format_defaults(result))
+        if args.json:
+            print(json.dumps(result))
+        return 0
     if args.api:
         if args.rounds <= 0:
             raise fi.UsageError(f"--rounds must be at least 1, got {args.rounds}")
