@@ -13,4 +13,5 @@
 #include "core.h"
 #include "course.h"
 #include "service.h"
+#include "sharing.h"
 #endif
