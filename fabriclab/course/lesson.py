@@ -7,6 +7,11 @@
   pinned to the loopback interface: a lesson never sends traffic off this host).
 * ``LocalPair``: two endpoints in one process, for small demonstrations of posting and completing
   operations without a second process, with a ``Trace`` of when each operation was posted and completed.
+* Chapters 9-15 (lesson 09 explains them): ``project_file``/``show_c`` (the engine's C), ``interleaved``
+  runs with ``spread``/``verdict`` (median, min-max, noise), per-write counters (``cq_reads_per_write``,
+  ``passes_per_write``, ``writemsg_calls_per_write``), each chapter's mechanism (``nic_scaling`` 09,
+  ``first_write_latency`` 10, ``thread_scaling`` 11, ``pinning``/``MigrationWatch`` 12,
+  ``counter_update_ns`` 13, ``batch_sweep`` 14, ``lazy_sweep`` 15) and ``progression`` beside the article.
 """
 from __future__ import annotations
 
