@@ -144,6 +144,7 @@ class NativeEngine:
                         "bytes": int(n.bytes), "writes": int(n.writes), "completions": int(n.completions),
                         "eagain": int(n.eagain), "cq_polls": int(n.cq_polls), "errors": int(n.errors),
                         "arrivals": int(n.arrivals), "more_flushes": int(n.more_flushes),
+                        "passes": int(n.passes),
                         "down": ffi.string(n.down_why).decode(errors="replace"),
                         "resent": int(n.resent), "unreported": int(n.unreported), "retried": int(n.retried),
                         "renewals": int(n.renewals)})

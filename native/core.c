@@ -86,7 +86,7 @@ int prepare_slots(fl_engine *e) {
         n->ring_head = n->ring_tail = 0;
         n->in_flight = 0;
         n->bytes = n->writes = n->completions = n->eagain = n->cq_polls = n->errors = n->arrivals = 0;
-        n->more_flushes = 0;
+        n->more_flushes = n->passes = 0;
         n->down = 0;
         n->down_ns = n->resent = 0;
         n->down_why[0] = 0;

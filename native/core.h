@@ -69,6 +69,7 @@ typedef struct fl_nic {
     uint32_t in_flight;
     /* counters, written only by the thread that owns the NIC */
     uint64_t bytes, writes, completions, eagain, cq_polls, errors, arrivals, more_flushes;
+    uint64_t passes;         /* course runs: timed passes of the owning thread's loop (each visits all its NICs) */
     /* failover (write runs): the link was declared down, when (fl_now_ns), why, and how many of its
      * writes were sent again over the group's other NICs (in flight: outcome unknown; or still queued) */
     int down;

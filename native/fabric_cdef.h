@@ -242,6 +242,7 @@ typedef struct fl_nic {
     struct fid_ep *ep; struct fid_cq *cq; void *desc; fi_addr_t dest; uint64_t remote_base; uint64_t rkey;
     int group; uint32_t max_in_flight; uint32_t cq_data_size; uint32_t ring_capacity; uint32_t in_flight;
     uint64_t bytes, writes, completions, eagain, cq_polls, errors, arrivals, more_flushes;
+    uint64_t passes;
     int down; uint64_t down_ns, resent; char down_why[...];
     uint64_t unreported, unreported_here, retried; uint32_t renewals; struct fid_ep *next_ep;
     ...;
@@ -301,3 +302,9 @@ fl_signal_snapshot *fl_signals_snapshot(const int *signals, int count);
 int fl_signals_changed(const fl_signal_snapshot *snap, int *changed, int max);
 int fl_signals_restore(const fl_signal_snapshot *snap, int *restored, int max);
 void fl_signals_free(fl_signal_snapshot *snap);
+
+/* ------------------------------------------------------- lesson 13's counter benchmark (sharing.h) */
+#define FL_SHARED_ATOMIC ...
+#define FL_PACKED_SLOTS ...
+#define FL_PADDED_SLOTS ...
+double fl_counter_bench(int layout, int threads, uint64_t updates, const int *cores, int ncores);

@@ -20,4 +20,5 @@
 #include "core.h"
 #include "course.h"
 #include "service.h"
+#include "sharing.h"
 #endif

@@ -731,3 +731,46 @@ def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = 
     if title:
         fig.suptitle(title, fontsize=10, y=0.995)
     return fig
+
+
+# ----------------------------------------------------------------------------------- chapters 9-15
+
+
+def spread_panels(panels: Sequence[tuple], xlabel: str, title: str | None = None, log_x: bool = False) -> Figure:
+    """Lessons 09-15's mechanism measurements, one panel per quantity. ``panels``: (ylabel, series) where
+    series maps a legend label to {x: [measurements]}; each point is the median with a bar from min to max
+    (x may be numbers, or names drawn in order). A log scale suits NIC, thread and batch counts."""
+    width = 4.2 * len(panels) + 0.6
+    fig = _figure(width, 3.4)
+    palette = [COLORS["send"], COLORS["recv"], COLORS["write"], COLORS["data"], COLORS["control"]]
+    for i, (ylabel, series) in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for k, (name, points) in enumerate(series.items()):
+            xs = list(points)
+            where = xs if all(isinstance(x, (int, float)) for x in xs) else list(range(len(xs)))
+            values = [sorted(points[x]) for x in xs]
+            medians = [v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2 for v in values]
+            low = [m - v[0] for m, v in zip(medians, values)]
+            high = [v[-1] - m for m, v in zip(medians, values)]
+            color = palette[k % len(palette)]
+            ax.errorbar(where, medians, yerr=[low, high], marker="o", ms=5, capsize=3, color=color,
+                        label=name if len(series) > 1 else None)
+            if where is not xs:
+                ax.set_xticks(where)
+                ax.set_xticklabels([str(x) for x in xs], fontsize=8)
+            elif log_x:
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(xs)
+                ax.set_xticklabels([str(x) for x in xs], fontsize=8)
+                ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_xlabel(xlabel, fontsize=8)
+        ax.tick_params(labelsize=8)
+        ax.set_ylim(bottom=0)
+        ax.grid(color=COLORS["grid"])
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title + "  (median; bars: min to max)", fontsize=9.5)
+    fig.tight_layout()
+    return fig

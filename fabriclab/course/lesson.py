@@ -7,6 +7,11 @@
   pinned to the loopback interface: a lesson never sends traffic off this host).
 * ``LocalPair``: two endpoints in one process, for small demonstrations of posting and completing
   operations without a second process, with a ``Trace`` of when each operation was posted and completed.
+* Chapters 9-15 (lesson 09 explains them): ``project_file``/``show_c`` (the engine's C), ``interleaved``
+  runs with ``spread``/``verdict`` (median, min-max, noise), per-write counters (``cq_reads_per_write``,
+  ``passes_per_write``, ``writemsg_calls_per_write``), each chapter's mechanism (``nic_scaling`` 09,
+  ``first_write_latency`` 10, ``thread_scaling`` 11, ``pinning``/``MigrationWatch`` 12,
+  ``counter_update_ns`` 13, ``batch_sweep`` 14, ``lazy_sweep`` 15) and ``progression`` beside the article.
 """
 from __future__ import annotations
 
@@ -298,3 +303,366 @@ class LocalPair:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+# --------------------------------------------------------------- chapters 9-15: the engine, measured
+# Lesson 09 explains these; lessons 09 to 15 use them. Every figure comes from a real run through
+# tools.bench (a target process, real bytes on the default provider), or from the engine's C benchmark.
+# The course does not import the tools (they sit beside it, tests/test_layers.py), so a lesson passes the
+# bench module in: ``lesson.nic_scaling(bench)``.
+
+#: Lessons 09-15's runs: 4 NIC slots, 2 GPU groups, 64 KiB pages as in the article, 64 MiB per run.
+ENGINE_SETUP = dict(nics=4, threads=2, page_size=64 << 10, total=64 << 20)
+#: Every run's pages cycle over a region this large (as the article writes the same 1000 pages again and
+#: again); a small region keeps the untimed set-up and the target's byte check short.
+REGION_BYTES = 32 << 20
+#: The engine's C sources a lesson quotes from: the course's loops first, then the core under them.
+NATIVE_C = ("course.c", "core.c", "core_internal.h", "sharing.c")
+
+
+def project_file(*parts: str) -> pathlib.Path:
+    """A file or folder of this project's checkout, such as ``project_file("native", "core.c")`` or
+    ``project_file("examples")``. The lessons quote the C engine and run the examples from there."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    path = root.joinpath(*parts)
+    if not path.exists():
+        raise fi.UsageError(f"{path} does not exist: the lessons need fabriclab's source checkout "
+                            "(pip install -e . from a clone), not an installed wheel")
+    return path
+
+
+def c_excerpt(first: str, through: str | None = None, until: str | None = None) -> tuple[str, str]:
+    """(title, text) of a piece of the engine's C: from the first of NATIVE_C that holds ``first``, the line
+    holding ``first`` (with the comment right above it) to the line holding ``until``, or else to the end
+    of the function or struct that holds ``through`` (or ``first``)."""
+    native = project_file("native")
+    path = next((native / name for name in NATIVE_C if first in (native / name).read_text()), None)
+    if path is None:
+        raise LookupError(f"{first!r} is in none of {NATIVE_C} under {native}: the lesson needs updating")
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if first in line)
+    while start > 0 and lines[start - 1].lstrip().startswith(("/*", "*")):
+        start -= 1
+    if until is not None:
+        end = next(i for i in range(start, len(lines)) if until in lines[i])
+    else:
+        end = next(i for i in range(start, len(lines)) if (through or first) in lines[i])
+        if not lines[end].rstrip().endswith(";"):
+            end = next(i for i in range(end, len(lines)) if lines[i].startswith("}"))
+    return f"native/{path.name}, lines {start + 1}-{end + 1}", "\n".join(lines[start:end + 1])
+
+
+def show_c(first: str, through: str | None = None, until: str | None = None) -> None:
+    """Show a piece of the engine's C source (see ``c_excerpt``)."""
+    title, text = c_excerpt(first, through, until)
+    show_code(text, "c", title)
+
+
+class _SmallRegion:
+    """Runs inside write pages cyclically over REGION_BYTES (the stages size their region by the total,
+    up to rdma_write.DEFAULT_BUFFER_LIMIT)."""
+
+    def __enter__(self):
+        from .. import rdma_write
+        self.module, self.saved = rdma_write, rdma_write.DEFAULT_BUFFER_LIMIT
+        rdma_write.DEFAULT_BUFFER_LIMIT = REGION_BYTES
+
+    def __exit__(self, *exc):
+        self.module.DEFAULT_BUFFER_LIMIT = self.saved
+        return False
+
+
+def interleaved(bench, variants: dict, rounds: int = 3, provider: str | None = None, **setup) -> dict:
+    """Run each variant (label → BenchConfig fields, over ENGINE_SETUP and ``setup``) ``rounds`` times,
+    A B C A B C ..., through one target, so that slow spells of a shared machine fall on every variant
+    alike. Returns label → list of tools.bench.BenchResult."""
+    provider, domain = fabric(provider)
+    base = {**ENGINE_SETUP, "provider": provider, "domain": domain, **setup}
+    out = {label: [] for label in variants}
+    with _SmallRegion(), bench.Bench(provider, domain) as target:
+        for _ in range(rounds):
+            for label, fields in variants.items():
+                config = bench.BenchConfig(**{**base, **fields})
+                out[label].append(target.run(config, label=label))
+    return out
+
+
+def spread(values) -> tuple[float, float, float]:
+    """(median, min, max) of some measurements."""
+    values = sorted(values)
+    return float(np.median(values)), values[0], values[-1]
+
+
+def _figure(x: float) -> str:
+    """A measured figure at a sensible precision: 27,364 or 3.42."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def verdict(a, b, names: tuple[str, str] = ("A", "B"), unit: str = "") -> str:
+    """Compare two lists of measurements by median and min-max: a difference is only called one when the
+    two ranges do not overlap; otherwise it is noise."""
+    (ma, la, ha), (mb, lb, hb) = spread(a), spread(b)
+    shown = (f"{names[0]} {_figure(ma)} ({_figure(la)}-{_figure(ha)}){unit}, "
+             f"{names[1]} {_figure(mb)} ({_figure(lb)}-{_figure(hb)}){unit}: ")
+    if la > hb or lb > ha:
+        return shown + f"{names[1]} / {names[0]} = {mb / ma:.2f}x, outside the spread"
+    return shown + "the ranges overlap: noise"
+
+
+# What a run's per-NIC counters say per accepted write (NativeEngine.counters: the C engine counts per NIC).
+
+def accepted_writes(r) -> int:
+    """Writes the provider accepted (fi_writemsg returned 0), warm-up writes included."""
+    return sum(n["writes"] for n in r.per_nic)
+
+
+def cq_reads_per_write(r) -> float:
+    """fi_cq_read calls per accepted write (lesson 09: one thread reads every NIC's queue each pass)."""
+    return sum(n["cq_polls"] for n in r.per_nic) / max(1, accepted_writes(r))
+
+
+def passes_per_write(r) -> float:
+    """Passes of the worker loops per accepted write (lesson 14). Each pass of a thread visits every NIC
+    it owns once, and the C engine counts the visits per NIC; the NICs are spread evenly over the threads."""
+    visits = sum(n["passes"] for n in r.per_nic)
+    return visits * r.threads / max(1, r.nics) / max(1, accepted_writes(r))
+
+
+def writemsg_calls_per_write(r) -> float:
+    """fi_writemsg calls per accepted write (lesson 15): every call is accepted, refused (-FI_EAGAIN) or
+    an error."""
+    calls = sum(n["writes"] + n["eagain"] + n["errors"] for n in r.per_nic)
+    return calls / max(1, accepted_writes(r))
+
+
+def eagain_per_write(r) -> float:
+    """-FI_EAGAIN answers per accepted write (lessons 14 and 15)."""
+    return sum(n["eagain"] for n in r.per_nic) / max(1, accepted_writes(r))
+
+
+def writes_per_second(r) -> float:
+    return r.mops * 1e6
+
+
+def per_variant(results: dict, metric) -> dict:
+    """label → [metric(run) for each run]: what figures.spread_panels draws."""
+    return {label: [metric(r) for r in runs] for label, runs in results.items()}
+
+
+def every_write_counted(results) -> bool:
+    """Every run verified by its target: each write's immediate data counted once, every byte as sent."""
+    return all(r.verified and r.landed == r.writes and not r.duplicates for r in results)
+
+
+# ---- lesson 09: writes/s one thread sustains against the NICs it services
+
+def nic_scaling(bench, nic_counts=(1, 2, 4, 8), rounds: int = 3, provider: str | None = None, **setup) -> dict:
+    """Chapter 9's loop (one thread, one group, warm-up off) over 1, 2, 4, 8 NIC slots: label → runs."""
+    variants = {n: {"stage": "multi_nic", "nics": n, "threads": 1, "groups": 1, "warmup": False}
+                for n in nic_counts}
+    return interleaved(bench, variants, rounds, provider, **setup)
+
+
+# ---- lesson 10: the first write on each NIC against a warmed-up one
+
+def first_write_latency(nics: int = 4, warm: int = 20, size: int = 64 << 10, provider: str | None = None,
+                        domain: str | None = None) -> list[tuple[float, list[float]]]:
+    """For each of ``nics`` fresh endpoint pairs (a NIC slot and its peer, as in chapter 9): µs from posting
+    the first RDMA write to reading its completion, and the same for the ``warm`` writes after it.
+    One write in flight at a time, both sides polled by this thread (LocalPair)."""
+    out = []
+    for _ in range(nics):
+        with LocalPair(provider, domain, size=size) as pair:
+            times = []
+            for k in range(warm + 1):
+                pair.post_write(("w", k), size)
+                pair.wait()
+                op = pair.trace.ops[("w", k)]
+                times.append((op.completed - op.posted) * 1e6)
+            out.append((times[0], times[1:]))
+    return out
+
+
+# ---- lesson 11: writes/s against threads
+
+def thread_scaling(bench, thread_counts=None, rounds: int = 3, provider: str | None = None, **setup) -> dict:
+    """Chapter 11's stage (a thread per group, not pinned, shared atomics) with 1, 2, 4, ... threads (by
+    default every power of two up to this machine's cores, at most 8) over the same NIC slots:
+    label → runs."""
+    import os
+    if thread_counts is None:
+        thread_counts = [t for t in (1, 2, 4, 8) if t <= (os.cpu_count() or 1)]
+    variants = {t: {"stage": "threaded", "threads": t, "groups": t, "pin": False, "shard": False}
+                for t in thread_counts}
+    return interleaved(bench, variants, rounds, provider, **setup)
+
+
+# ---- lesson 12: thread migrations, pinned or not
+
+WRITER_THREAD_NAME = "fl-writer"  # course.c names its writer threads so
+
+
+class MigrationWatch:
+    """Samples ``nr_migrations`` (``/proc/self/task/<tid>/sched``: how often the scheduler moved a thread to
+    another CPU) of this process's engine writer threads every ``interval`` seconds while it is open.
+    ``by_thread``: tid → the last count seen. A thread's moves after the last sample before it ended are
+    not seen. Needs a kernel with scheduler statistics (``available``)."""
+
+    def __init__(self, interval: float = 0.005):
+        import threading
+        self.interval = interval
+        self.by_thread: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def available() -> bool:
+        return pathlib.Path(f"/proc/self/task/{_own_tid()}/sched").exists()
+
+    def _sample(self) -> None:
+        tasks = pathlib.Path("/proc/self/task")
+        while not self._stop.is_set():
+            for task in tasks.iterdir():
+                try:
+                    if (task / "comm").read_text().strip() != WRITER_THREAD_NAME:
+                        continue
+                    for line in (task / "sched").read_text().splitlines():
+                        if line.startswith("se.nr_migrations"):
+                            self.by_thread[int(task.name)] = int(line.split(":")[1])
+                except (FileNotFoundError, ProcessLookupError, ValueError):
+                    continue  # the thread ended between listing and reading
+            self._stop.wait(self.interval)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_thread.values())
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        return False
+
+
+def _own_tid() -> int:
+    import threading
+    return threading.get_native_id()
+
+
+def pinning(bench, rounds: int = 3, provider: str | None = None, **setup) -> dict:
+    """Chapters 11 (not pinned) and 12 (pinned), interleaved: label → list of (BenchResult, migrations of
+    its writer threads)."""
+    provider, domain = fabric(provider)
+    base = {**ENGINE_SETUP, "provider": provider, "domain": domain, "stage": "threaded", "shard": False, **setup}
+    out = {"not pinned": [], "pinned": []}
+    with _SmallRegion(), bench.Bench(provider, domain) as target:
+        for _ in range(rounds):
+            for label, pin in (("not pinned", False), ("pinned", True)):
+                with MigrationWatch() as watch:
+                    r = target.run(bench.BenchConfig(**{**base, "pin": pin}), label=label)
+                out[label].append((r, watch.total))
+    return out
+
+
+# ---- lesson 13: ns per counter update: a shared atomic, slots in one cache line, padded slots
+
+COUNTER_LAYOUTS = {"shared atomic (ch 11-12)": "FL_SHARED_ATOMIC", "slots in one line (ch 13)": "FL_PACKED_SLOTS",
+                   "a line each (13+)": "FL_PADDED_SLOTS"}
+
+
+def counter_update_ns(threads: int = 2, updates: int = 2_000_000, rounds: int = 5) -> dict:
+    """The engine's C benchmark (native/sharing.c): ``threads`` threads, each pinned to its own allowed
+    core where there are enough, update their counter ``updates`` times; layouts interleaved ``rounds``
+    times. Returns layout → list of ns per update."""
+    import os
+    from .._fabric import ffi, lib
+    cores = sorted(os.sched_getaffinity(0))[:threads]
+    pinned = ffi.new("int[]", cores)
+    out = {name: [] for name in COUNTER_LAYOUTS}
+    for _ in range(rounds):
+        for name, layout in COUNTER_LAYOUTS.items():
+            ns = lib.fl_counter_bench(getattr(lib, layout), threads, updates, pinned, len(cores))
+            if ns < 0:
+                raise fi.UsageError(f"counter benchmark refused {threads} threads x {updates} updates")
+            out[name].append(ns)
+    return out
+
+
+# ---- lesson 14: CPU, CQ reads and passes per write against the batch size
+
+def batch_sweep(bench, batches=(1, 4, 16, 64), rounds: int = 3, provider: str | None = None, **setup) -> dict:
+    """Chapter 14's stage (eager posting) with ``batch`` writes added per group per pass, one thread over
+    the NIC slots (so the writer has a core to itself beside the target's): label → runs."""
+    variants = {b: {"stage": "batched", "batch": b, "lazy": False, "threads": 1, "groups": 1} for b in batches}
+    return interleaved(bench, variants, rounds, provider, **setup)
+
+
+# ---- lesson 15: fi_writemsg calls and refusals per accepted write, eager against lazy, and FI_MORE
+
+def lazy_sweep(bench, rounds: int = 3, provider: str | None = None, batch: int = 16, **setup) -> dict:
+    """Chapter 14 (eager), 15 (lazy) and 15+ (lazy with FI_MORE), one thread, ``batch`` writes added per
+    pass: label → runs."""
+    variants = {"14 eager": {"lazy": False}, "15 lazy": {"lazy": True}, "15+ FI_MORE": {"lazy": True, "fi_more": True}}
+    common = {"stage": "batched", "batch": batch, "threads": 1, "groups": 1}
+    return interleaved(bench, {k: {**common, **v} for k, v in variants.items()}, rounds, provider, **setup)
+
+
+# ---- the reader's figure beside the article's (lessons 09-15)
+
+def progression(bench, chapters, rounds: int = 3, context=(), provider: str | None = None, **changes):
+    """Run these chapters of tools.bench.PROGRESSION ``rounds`` times, interleaved (a fresh target each
+    round), after the ``context`` chapters (earlier ones, there to complete the chart) once. Returns each
+    chapter's median run (by Gbps), all runs, and for each thread count the memcpy ceiling: the median
+    memcpy of the same bytes with that many threads."""
+    provider, domain = fabric(provider)
+    setup = {**ENGINE_SETUP, "provider": provider, "domain": domain, **changes}
+    with _SmallRegion():
+        runs = list(bench.progression(chapters=list(context), **setup)) if context else []
+        for _ in range(rounds):
+            runs += bench.progression(chapters=list(chapters), **setup)
+    chosen, memcpy = {}, {}
+    for chapter in dict.fromkeys(r.label.split()[0] for r in runs):
+        mine = sorted((r for r in runs if r.label.split()[0] == chapter), key=lambda r: r.gbps)
+        chosen[chapter] = mine[len(mine) // 2]
+    for r in runs:
+        memcpy.setdefault(r.threads, []).append(r.memcpy_gbps)
+    ceiling = {threads: float(np.median(values)) for threads, values in memcpy.items()}
+    return chosen, runs, ceiling
+
+
+def article(chapter: str):
+    """The article's (Gbps, percent of its line rate) for a chapter, or None for this project's extras."""
+    from .tour import ARTICLE_GBPS
+    if not chapter.isdigit() or int(chapter) not in ARTICLE_GBPS:
+        return None
+    gbps, line = ARTICLE_GBPS[int(chapter)]
+    return gbps, 100 * gbps / line
+
+
+def percents(chosen: dict, ceiling: dict) -> dict:
+    """Each chapter's run as a percentage of the memcpy ceiling for its number of threads."""
+    return {chapter: 100 * r.gbps / ceiling[r.threads] for chapter, r in chosen.items()}
+
+
+def progression_table(chosen: dict, ceiling: dict, runs: list) -> None:
+    """One row per chapter: runs, NIC slots (emulated ones counted), threads, the median run's Gbps with
+    the min-max of all its runs, writes per second, refusals per write and share of the memcpy ceiling;
+    then the article's figures."""
+    import os
+    share = percents(chosen, ceiling)
+    print(f"{'chapter':<27}{'runs':>5}{'NICs':>10}{'threads':>8}{'Gbps (min-max)':>20}{'Mops/s':>8}"
+          f"{'EAGAIN/write':>13}{'% memcpy':>10}  | article: Gbps  % of line rate")
+    for chapter, r in chosen.items():
+        rates = [x.gbps for x in runs if x.label == r.label]
+        nics = f"{r.nics} ({r.emulated_nics} emu)" if r.emulated_nics else str(r.nics)
+        theirs = article(chapter)
+        ref = f"{theirs[0]:14.1f}  {theirs[1]:5.1f} %" if theirs else "  (not in the article)"
+        gbps = f"{r.gbps:.2f} ({min(rates):.1f}-{max(rates):.1f})"
+        print(f"{r.label:<27}{len(rates):>5}{nics:>10}{r.threads:>8}{gbps:>20}{r.mops:8.3f}"
+              f"{r.eagain / max(1, r.writes):13.2f}{share[chapter]:9.1f} %  |{ref}")
+    print("memcpy ceiling (same bytes, median):",
+          ", ".join(f"{g:.1f} Gbps with {t} thread{'s' if t > 1 else ''}" for t, g in sorted(ceiling.items())))
+    print(f"cores this process may use: {len(os.sched_getaffinity(0))}")

@@ -1,0 +1,94 @@
+"""The lessons' measuring helpers (fabriclab.course.lesson, figures.spread_panels) and the engine's counter
+benchmark (native/sharing.c), on the default provider with real bytes. Figures are only checked for
+sense (positive, counted), never timed."""
+import pytest
+
+from fabriclab import fi
+from fabriclab._fabric import ffi, lib
+from fabriclab.course import figures, lesson
+from fabriclab.tools import bench
+
+SMALL = dict(total=4 << 20, rounds=1)
+
+
+def test_project_file_finds_the_engine_and_names_what_is_missing():
+    assert (lesson.project_file("native") / "core.c").is_file()
+    assert lesson.project_file("examples").is_dir()
+    with pytest.raises(fi.UsageError, match="source checkout"):
+        lesson.project_file("native", "no_such_file.c")
+
+
+def test_c_excerpt_quotes_a_whole_function_with_its_comment():
+    title, text = lesson.c_excerpt("double fl_counter_bench(")
+    assert title.startswith("native/sharing.c, lines ")
+    assert text.splitlines()[0].startswith("double fl_counter_bench(") and text.rstrip().endswith("}")
+    title, text = lesson.c_excerpt("static inline void count_post", through="static inline void count_finished")
+    assert "count_finished" in text and title.startswith("native/core.c")
+    with pytest.raises(LookupError, match="needs updating"):
+        lesson.c_excerpt("no such line in the engine")
+
+
+def test_spread_and_verdict_call_overlapping_ranges_noise():
+    assert lesson.spread([3, 1, 2]) == (2.0, 1, 3)
+    assert lesson.verdict([1, 2, 3], [2.5, 3.5, 4]).endswith("noise")
+    assert "outside the spread" in lesson.verdict([1, 2, 3], [10, 11, 12])
+
+
+@pytest.mark.parametrize("layout", list(lesson.COUNTER_LAYOUTS))
+def test_counter_benchmark_measures_every_layout(layout):
+    ns = lesson.counter_update_ns(threads=2, updates=100_000, rounds=1)
+    assert set(ns) == set(lesson.COUNTER_LAYOUTS)
+    assert ns[layout][0] > 0
+
+
+def test_counter_benchmark_refuses_bad_arguments():
+    assert lib.fl_counter_bench(lib.FL_SHARED_ATOMIC, 0, 1000, ffi.NULL, 0) < 0
+    assert lib.fl_counter_bench(lib.FL_PADDED_SLOTS + 1, 1, 1000, ffi.NULL, 0) < 0
+    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 1, 0, ffi.NULL, 0) < 0
+    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 2, 1000, ffi.NULL, 0) > 0  # unpinned
+
+
+def test_nic_scaling_counts_every_write_and_the_engine_counters_add_up():
+    runs = lesson.nic_scaling(bench, nic_counts=(1, 2), **SMALL)
+    assert list(runs) == [1, 2]
+    for results in runs.values():
+        assert lesson.every_write_counted(results)
+        r = results[0]
+        assert lesson.accepted_writes(r) == r.writes  # warm-up off: every accepted write is timed
+        assert lesson.cq_reads_per_write(r) >= 1 / 16  # a read returns at most 16 completions
+        assert lesson.writemsg_calls_per_write(r) >= 1
+        assert lesson.passes_per_write(r) > 0
+
+
+def test_batch_and_lazy_sweeps_report_per_write_figures():
+    batches = lesson.batch_sweep(bench, batches=(1, 16), **SMALL)
+    assert all(lesson.every_write_counted(results) for results in batches.values())
+    lazy = lesson.lazy_sweep(bench, **SMALL)
+    assert list(lazy) == ["14 eager", "15 lazy", "15+ FI_MORE"]
+    for results in lazy.values():
+        r = results[0]
+        assert lesson.writemsg_calls_per_write(r) == pytest.approx(1 + lesson.eagain_per_write(r))
+
+
+def test_pinning_samples_the_writer_threads_migrations():
+    if not lesson.MigrationWatch.available():
+        pytest.skip("no scheduler statistics in /proc on this kernel")
+    runs = lesson.pinning(bench, **SMALL)
+    assert list(runs) == ["not pinned", "pinned"]
+    for pairs in runs.values():
+        r, migrations = pairs[0]
+        assert r.verified and migrations >= 0
+
+
+def test_first_write_latency_times_every_write():
+    latencies = lesson.first_write_latency(nics=2, warm=3, size=4096)
+    assert len(latencies) == 2
+    for first, warm in latencies:
+        assert first > 0 and len(warm) == 3 and min(warm) > 0
+
+
+def test_spread_panels_draws_a_panel_per_quantity():
+    fig = figures.spread_panels([("writes/s", {"a": {1: [1.0, 2.0], 2: [3.0]}}),
+                                 ("layout", {"b": {"packed": [1.0], "padded": [0.5, 0.6]}})],
+                                xlabel="x", log_x=True, title="t")
+    assert len(fig.axes) == 2
