@@ -13,8 +13,9 @@ runs. The CUDA calls go through cuda-python's driver bindings (``fabriclab.gpu``
 """
 from __future__ import annotations
 
-import ctypes
 import collections
+import ctypes
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -268,7 +269,15 @@ class Stager:
                 if not (self.jobs or self.copying or self.sending):
                     self.cond.wait(0.05)
                     continue
-            busy = self._start_copies() | self._send_copied() | self._reclaim()
+            try:
+                busy = self._start_copies() | self._send_copied() | self._reclaim()
+            except Exception as exc:  # a bug of ours: fail what is waiting, and keep serving
+                logging.getLogger("fabriclab").exception("the stager hit an error; it goes on")
+                for job in {id(c.job): c.job for c in self.copying}.values():
+                    self._fail(job, f"the stager failed: {exc!r}", safe=False)
+                for job in list(self.jobs):
+                    self._fail(job, f"the stager failed: {exc!r}", safe=True)
+                busy = False
             if not busy:
                 time.sleep(0.00005)
         # closing: let copies finish (the caller's GPU memory must not be read after we report), fail the rest
@@ -375,9 +384,7 @@ class Stager:
             error = sent.exception()
             if error is not None:
                 self._fail(chunk.job, None, safe=True, error=error)
-            if sent._safety.safe or error is None:
-                self.free.append(chunk.slot)
-            elif sent.wait_safe(0):
+            if error is None or sent._safety.safe:
                 self.free.append(chunk.slot)
             else:
                 still.append(_Chunk(chunk.slot, _LOST, sent=sent))  # the pool keeps it until the provider reports
@@ -387,7 +394,7 @@ class Stager:
         return reclaimed
 
     def _released_lost(self, chunk: _Chunk) -> bool:
-        if chunk.sent.wait_safe(0):
+        if chunk.sent._safety.safe:
             self.free.append(chunk.slot)
             return True
         return False
