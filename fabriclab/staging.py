@@ -215,6 +215,7 @@ class Stager:
         self.jobs: collections.deque[StagedJob] = collections.deque()
         self.copying: collections.deque[_Chunk] = collections.deque()
         self.sending: list[_Chunk] = []
+        self.lost: list[_Chunk] = []  # chunks of failed writes the provider has not reported: not reusable yet
         self.cond = threading.Condition()
         self.closed = False
         self.staged_bytes = 0
@@ -268,7 +269,8 @@ class Stager:
                     break
                 if not (self.jobs or self.copying or self.sending):
                     self.cond.wait(0.05)
-                    continue
+                    if not self.lost:
+                        continue  # lost chunks are looked at again every 50 ms, no sooner
             try:
                 busy = self._start_copies() | self._send_copied() | self._reclaim()
             except Exception as exc:  # a bug of ours: fail what is waiting, and keep serving
@@ -288,8 +290,12 @@ class Stager:
             self._fail(chunk.job, "the engine was closed while the transfer was staged", safe=True, why="engine")
 
     def _start_copies(self) -> bool:
-        """Fill free chunks from the oldest job: its next writes, copied GPU → pool on one stream."""
+        """Fill free chunks from the oldest job: its next writes, copied GPU → pool on one stream. Jobs
+        waiting for a chunk still fail at their deadline (chunks of writes lost with a peer stay taken)."""
         started = False
+        for job in list(self.jobs):
+            if job.error is None and not self._job_alive(job):
+                self.jobs.remove(job)
         while self.free and self.jobs:
             job = self.jobs[0]
             if job.error is None and not self._job_alive(job):
@@ -375,6 +381,11 @@ class Stager:
         last chunk resolves the caller's transfer."""
         reclaimed = False
         still = []
+        for chunk in self.lost:
+            if chunk.sent._safety.safe:
+                self.free.append(chunk.slot)
+                reclaimed = True
+        self.lost = [c for c in self.lost if not c.sent._safety.safe]
         for chunk in self.sending:
             sent = chunk.sent
             if not sent.done():
@@ -387,17 +398,11 @@ class Stager:
             if error is None or sent._safety.safe:
                 self.free.append(chunk.slot)
             else:
-                still.append(_Chunk(chunk.slot, _LOST, sent=sent))  # the pool keeps it until the provider reports
+                self.lost.append(chunk)  # the pool keeps it until the provider reports every write of it
                 continue
             self._finish_if_done(chunk.job)
-        self.sending = [c for c in still if not (c.job is _LOST and self._released_lost(c))]
+        self.sending = still
         return reclaimed
-
-    def _released_lost(self, chunk: _Chunk) -> bool:
-        if chunk.sent._safety.safe:
-            self.free.append(chunk.slot)
-            return True
-        return False
 
     def _finish_if_done(self, job: StagedJob) -> None:
         if job.error is not None or job.next_write < job.src.size:
@@ -419,6 +424,3 @@ class Stager:
         job.next_write = job.src.size
         job.done(error, safe)
 
-
-_LOST = StagedJob(0, 0, 0, np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.uint64), 0.0, None,
-                  lambda *a: None, lambda: True)
