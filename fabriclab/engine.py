@@ -38,14 +38,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _native, fi, shmclean
+from . import _native, fi, memory, shmclean, staging
 from .nics import (NicSet, NicSlot, default_layout, discover_topology, group_nics, host_identity, same_host_path,
                    topology_groups_holding, unique_registrations, worker_cores)
 
 FabriclabError, UsageError = fi.FabriclabError, fi.UsageError  # the error root, and bad input (exported)
 
 __all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError", "TransferError",
-           "PeerLost", "WriteRejected", "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange"]
+           "PeerLost", "WriteRejected", "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange",
+           "StagingFailed"]
 
 TRANSFER_SLOTS = 1 << 16
 MAX_RENEWALS = 64  # fresh endpoints per NIC slot: a peer that keeps stalling them cannot exhaust file descriptors
@@ -107,6 +108,23 @@ class OutOfRange(TransferError, IndexError):
 
     def __init__(self, message: str):
         super().__init__(message, buffer_safe=True)
+
+
+class StagingFailed(TransferError):
+    """The staged path (GPU memory through pinned host memory) failed: a CUDA call failed, or the GPU memory
+    of the region is gone (freed by its owner). The writes of the transfer that had been handed to the NICs
+    read the staging pool only, never the region."""
+
+
+def _staging_failure(message: str, safe: bool, why: str) -> TransferError:
+    """The exception of a staged transfer that failed before its writes did (see staging.FAILURES)."""
+    if why == "closed":
+        return RegionClosed(message, buffer_safe=safe)
+    if why == "timeout":
+        return TransferTimeout(message, buffer_safe=safe)
+    if why == "engine":
+        return TransferError(message, buffer_safe=safe)
+    return StagingFailed(message, buffer_safe=safe)
 
 
 _PEER_GONE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENOTCONN, errno.EPIPE,
@@ -294,14 +312,17 @@ def _buffer_view(obj):
                 int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape))):
             raise fi.UsageError("register a contiguous CUDA array")
         length = int(np.prod(shape)) * itemsize if shape else itemsize
-        device = getattr(obj, "device", None)
-        device = getattr(device, "index", None) or getattr(device, "id", None) or 0
-        return "cuda", pointer, length, int(device), obj, bool(cai["data"][1])
+        return "cuda", pointer, length, _claimed_device(obj), obj, bool(cai["data"][1])
+    if type(obj).__name__ == "PyCapsule" or (hasattr(obj, "__dlpack__") and not _has_buffer(obj)):
+        cuda = staging.dlpack_cuda(obj)  # None: a host tensor
+        if cuda is not None:
+            pointer, length, device, keep = cuda
+            return "cuda", pointer, length, device, keep, False
     try:
         view = memoryview(obj)
     except TypeError:
         if hasattr(obj, "__dlpack__"):
-            array = np.from_dlpack(obj)  # host DLPack tensors; CUDA ones carry __cuda_array_interface__
+            array = np.from_dlpack(obj)  # a host DLPack tensor
             view = memoryview(array)
         else:
             raise fi.UsageError(f"cannot register {type(obj).__name__}: it has no buffer protocol, "
@@ -312,6 +333,24 @@ def _buffer_view(obj):
     if array.size == 0:
         raise fi.UsageError("cannot register an empty buffer")
     return "host", array.ctypes.data, array.size, 0, (obj, array), view.readonly
+
+
+def _has_buffer(obj) -> bool:
+    try:
+        memoryview(obj)
+        return True
+    except TypeError:
+        return False
+
+
+def _claimed_device(obj) -> int | None:
+    """The CUDA device an array says it lives on (torch: .device.index, cupy: .device.id), if it says."""
+    device = getattr(obj, "device", None)
+    for name in ("index", "id"):
+        value = getattr(device, name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 class _HostView:
@@ -353,28 +392,38 @@ class Region:
 
     _ids = itertools.count(1)
 
-    def __init__(self, engine: "Engine", obj):
+    def __init__(self, engine: "Engine", obj, staged_ok: bool = True):
         kind, pointer, length, device, keep, readonly = _buffer_view(obj)
+        if kind == "cuda":
+            device = _cuda_device(pointer, length, device)
         view = _HostView(keep[1]) if kind == "host" else _CudaView(pointer, length, device, keep)
         self.engine, self.kind, self.address, self.length = engine, kind, pointer, length
+        self.device = device if kind == "cuda" else None
         self.readonly = readonly
         self.id = next(self._ids)
         self._keep = keep
+        self.path, self.why = "host" if kind == "host" else "cuda-direct", ""
         access = fi.ACCESS_SOURCE if readonly else fi.ACCESS_ALL  # read-only: a source only
-        registrations = engine._service.nics.register(view, access=access)
+        try:
+            registrations = engine._service.nics.register(view, access=access, stage=False)
+        except memory.DirectUnavailable as exc:
+            # no FI_HMEM: the region stays unregistered; its transfers stream through the staging pool
+            registrations, self.path, self.why = [], "cuda-staged", str(exc)
         self._state = _RegionState(registrations)
-        if any(r.staging is not None for r in registrations):
-            self._state.deregister()
-            raise fi.UsageError(f"provider {engine.provider} cannot register GPU memory here "
-                                f"({registrations[0].why}); the engine API needs FI_HMEM — use host memory")
         self.descs = _native.route_descriptors(registrations)
         self._descs = np.asarray(self.descs, dtype=np.uint64)
         self.keys = [r.mr.key for r in registrations]
         self.bases = [r.mr.remote_base for r in registrations]
 
     @property
+    def staged(self) -> bool:
+        """Whether transfers from this region go through the staging pool (``path == "cuda-staged"``)."""
+        return self.path == "cuda-staged"
+
+    @property
     def registrations(self):
-        """The region's registration with each NIC slot (one per domain, shared by its slots)."""
+        """The region's registration with each NIC slot (one per domain, shared by its slots; none when
+        staged)."""
         return self._state.registrations
 
     @property
@@ -388,6 +437,10 @@ class Region:
         if self.readonly:
             raise fi.UsageError(f"region {self.id} is read-only: it can be a source of writes, but peers cannot "
                                 "write into it, so it has no descriptor; register a writable buffer")
+        if self.staged:
+            raise fi.UsageError(f"region {self.id} is GPU memory the provider ({self.engine.provider}) cannot register "
+                                f"({self.why}): it is staged, and can be a source of writes, not a target; on this "
+                                "provider peers write into host memory (copy it to the GPU after expect())")
         body = _REGION_MAGIC + struct.pack("<QIQH", self.engine.id, self.id, self.length, len(self.keys))
         body += b"".join(struct.pack("<QQ", b, k) for b, k in zip(self.bases, self.keys))
         return _seal(body)
@@ -415,7 +468,18 @@ class Region:
 
     def __repr__(self) -> str:
         flags = (" read-only" if self.readonly else "") + (" closed" if self.closed else "")
-        return f"<Region {self.id} {self.kind} {self.length} bytes{flags}>"
+        return f"<Region {self.id} {self.path} {self.length} bytes{flags}>"
+
+
+def _cuda_device(pointer: int, length: int, claimed: int | None) -> int:
+    """The device that holds CUDA memory, checked against what its owner says."""
+    try:
+        device = staging.pointer_device(pointer, length)
+    except staging.StagingError as exc:
+        raise fi.UsageError(f"cannot register that CUDA memory: {exc}") from None
+    if claimed is not None and claimed != device:
+        raise fi.UsageError(f"the array says it lives on CUDA device {claimed}, but its memory is on device {device}")
+    return device
 
 
 @dataclass(frozen=True)
@@ -583,7 +647,9 @@ class Peer:
                 raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
                                  f"{side} region")
         service = self.engine._service
-        src, dst, runs = coalesce_pages(src, dst, service.pages_per_write(src.size, page_size))
+        # a staged region's writes leave from pool chunks, one per page asked for: no runs to join there
+        most = 1 if local_region.staged else service.pages_per_write(src.size, page_size)
+        src, dst, runs = coalesce_pages(src, dst, most)
         lengths = runs * np.uint64(page_size)
         if lengths.min() == lengths.max():  # one length for every write (a permuted list: one page each)
             lengths = int(lengths[0])
@@ -621,6 +687,15 @@ class Engine:
     opens the NICs able to register GPU memory (on shm that variant moves host memory more slowly: say
     ``gpu=False`` when you only move host memory).
 
+    GPU memory (torch, cupy, numba, anything with ``__cuda_array_interface__``, CUDA DLPack tensors and
+    capsules) is registered directly where the provider offers FI_HMEM (``Region.path == "cuda-direct"``);
+    elsewhere transfers from it are staged (``"cuda-staged"``, see ``fabriclab.staging``): copied GPU →
+    pinned host memory chunk by chunk on CUDA streams, each chunk written as soon as it is copied.
+    ``staging_bytes`` (default 64 MiB) bounds the pinned pool of the engine, allocated at the first staged
+    region; ``staging_chunk_bytes`` (default 4 MiB) is one copy's size, and the largest page or stripe a
+    staged transfer can carry. A transfer larger than the pool streams through it. ``stats()["staging"]``
+    counts staged bytes and copy time.
+
     Pinned workers poll their NICs without rest, so keep your own busy threads off their cores:
     ``os.sched_setaffinity(0, engine.housekeeping_cores)`` (the engine's own reaper thread runs there).
     Done-callbacks of transfers run on a thread of their own, one at a time. An engine dropped without
@@ -631,7 +706,8 @@ class Engine:
     def __init__(self, provider: str | None = None, *, nics: int | None = None, domains=None,
                  threads: int | None = None, pin: bool = True, batch: int = 16, fi_more: bool = False,
                  timeout: float = 30.0, in_flight: int | None = None, gpu: bool | None = None,
-                 link_timeout: float | None = None):
+                 link_timeout: float | None = None, staging_bytes: int = staging.DEFAULT_STAGING_BYTES,
+                 staging_chunk_bytes: int = staging.DEFAULT_CHUNK_BYTES):
         self.timeout = fi.seconds(timeout, "timeout")
         link_timeout = fi.seconds(link_timeout, "link_timeout", self.timeout / 3, zero_means="failover off")
         options = {
@@ -640,7 +716,12 @@ class Engine:
             "batch": _integer(batch, "batch", 1, 1 << 16),
             "in_flight": None if in_flight is None else _integer(in_flight, "in_flight", 1)}
         self.id = secrets.randbits(63) | 1
+        chunk = _integer(staging_chunk_bytes, "staging_chunk_bytes", 4096)
+        pool = _integer(staging_bytes, "staging_bytes", 1)
+        staging.pool_layout(pool, chunk)  # refuse a pool that cannot stream before opening any NIC
         self._service = _Service(provider, domains, pin, bool(fi_more), self.timeout, gpu, link_timeout, **options)
+        self._service.staging_sizes = (pool, chunk)
+        self._pool_region: Region | None = None  # the staging pool, registered at the first staged region
         # the finalizer holds the service, never the engine: a dropped engine is collected, then closed
         self._finalizer = weakref.finalize(self, _Service.close_collected, self._service)
 
@@ -690,11 +771,19 @@ class Engine:
         return self._service.emulated
 
     def register(self, buffer) -> Region:
-        """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch: through
-        ``__cuda_array_interface__``) or DLPack host tensor with every NIC. A read-only buffer can be
-        written from but not into."""
+        """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch, numba:
+        through ``__cuda_array_interface__``), DLPack tensor or capsule (host or CUDA) with every NIC. A
+        read-only buffer can be written from but not into. ``Region.path`` says how: "host",
+        "cuda-direct" (FI_HMEM) or "cuda-staged" (through the staging pool: a source of writes only)."""
         self._service.check_open()
-        return Region(self, buffer)
+        region = Region(self, buffer)
+        if region.staged and self._pool_region is None:
+            try:
+                self._pool_region = Region(self, self._service.start_staging().array)
+            except BaseException:
+                region.close()
+                raise
+        return region
 
     def connect(self, address) -> Peer:
         """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world. Paths to
@@ -826,6 +915,8 @@ class _Service:
         self.submitted = {"transfers": 0, "pages": 0, "writes": 0}  # pages: as asked; writes: after coalescing
         # The workers poll without rest; any other busy thread landing on their cores stalls a NIC.
         self.housekeeping_cores = frozenset(os.sched_getaffinity(0)) - frozenset(self.worker_cores)
+        self.stager: staging.Stager | None = None  # started at the first staged region
+        self.staging_sizes = (staging.DEFAULT_STAGING_BYTES, staging.DEFAULT_CHUNK_BYTES)
         self.reaper = threading.Thread(target=self._reap, name="fabriclab-engine-reaper", daemon=True)
         self.reaper.start()
 
@@ -929,7 +1020,15 @@ class _Service:
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
                 "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
                 "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
-                "expectations": expecting, "per_nic": per_nic, "closed": False}
+                "expectations": expecting, "per_nic": per_nic, "staging": self._staging_stats(), "closed": False}
+
+    def _staging_stats(self) -> dict:
+        """The staging pool: its size, and what went through it (zeros until a region is staged)."""
+        if self.stager is not None:
+            return self.stager.stats()
+        _, pool = staging.pool_layout(*self.staging_sizes)
+        return {"pool_bytes": pool, "chunk_bytes": self.staging_sizes[1], "allocated": False, "staged_bytes": 0,
+                "staged_chunks": 0, "copy_seconds": 0.0, "jobs_waiting": 0}
 
     def pages_per_write(self, pages: int, page_size: int) -> int:
         """The most pages one write of a transfer of ``pages`` pages may carry: enough writes that every
@@ -954,6 +1053,8 @@ class _Service:
             raise fi.UsageError("that region was registered with another engine")
         imm = _native.NO_IMM if imm is None else _integer(imm, "imm", 0, _native.MAX_IMM)
         timeout = fi.seconds(timeout, "timeout", self.timeout)
+        if region.staged:
+            return self._submit_staged(peer, region, remote, src, dst, stride, lengths, imm, timeout)
         n = src.size
         uniform = np.isscalar(lengths)
         nbytes = n * lengths if uniform else int(lengths.sum())
@@ -992,6 +1093,50 @@ class _Service:
                     self.native.release_writes(tid, n - taken)
                     raise failure
                 time.sleep(0.0002)
+        return transfer
+
+    def start_staging(self) -> staging.PinnedPool:
+        """The staging pool and its thread (at the first staged region); the Engine registers the pool."""
+        if self.stager is None:
+            pool = staging.PinnedPool(*self.staging_sizes)
+            self.stager = staging.Stager(pool, _staging_failure)
+        return self.stager.pool
+
+    def _submit_staged(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths, imm,
+                       timeout: float) -> Transfer:
+        """A transfer from a staged region: the stager copies it into the pool chunk by chunk and hands each
+        chunk's writes (one per write asked for, from the pool) to :meth:`submit`."""
+        try:
+            staging.pointer_device(region.address, region.length)
+        except staging.StagingError as exc:
+            raise StagingFailed(f"region {region.id} cannot be staged: {exc}", buffer_safe=True) from None
+        n = src.size
+        lengths = np.full(n, lengths, dtype=np.uint64) if np.isscalar(lengths) else np.asarray(lengths, np.uint64)
+        self.stager.check_fits(int(lengths.max()))
+        deadline = time.monotonic() + timeout
+        transfer = Transfer(n, int(lengths.sum()), deadline, _Safety(self.timeout))
+        pool_region, state = region.engine._pool_region, region._state
+        with self.lock:
+            state.in_use += 1
+
+        def send(pool_src, pool_dst, pool_lengths):
+            return self.submit(peer, pool_region, remote, pool_src, pool_dst, 1, pool_lengths,
+                               None if imm == _native.NO_IMM else imm,
+                               max(deadline - time.monotonic(), 1e-3))
+
+        def done(error, safe):
+            with self.lock:
+                state.in_use -= 1
+            if error is None:
+                transfer.set_result(TransferResult(transfer.bytes, transfer.writes,
+                                                   time.perf_counter() - transfer.started))
+            elif not transfer.done():
+                transfer.set_exception(error)
+            transfer._safety.settle(safe)
+
+        self.stager.submit(staging.StagedJob(region.address, region.length, region.device,
+                                             src.astype(np.int64) * stride, dst.astype(np.int64) * stride, lengths,
+                                             deadline, send, done, lambda: not state.closed))
         return transfer
 
     def close_region(self, state: _RegionState, timeout: float) -> None:
@@ -1035,6 +1180,8 @@ class _Service:
     # ------------------------------------------------------------------------------------ internals
 
     def _shut_down(self) -> None:
+        if self.stager is not None:
+            self.stager.close()  # fails what it had not handed over; its chunks' writes are failed below
         self.native.stop_service()
         self.final_stats = {**self._snapshot_after_stop(), "closed": True}
         fields = _native.TRANSFER_FIELDS
@@ -1055,12 +1202,14 @@ class _Service:
             self.retired_regions.clear()
         self.native.close()
         self.nics.close()
+        if self.stager is not None:
+            self.stager.pool.close()  # no NIC has it registered any more
 
     def _snapshot_after_stop(self) -> dict:
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
                 "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
                 "transfers_in_flight": 0, "abandoned_in_flight": 0, "expectations": 0,
-                "per_nic": self.native.counters()}
+                "per_nic": self.native.counters(), "staging": self._staging_stats()}
 
     def _reap(self) -> None:
         """Resolve futures as the native engine reports transfers finished (it wakes this thread, which

@@ -130,6 +130,10 @@ def allocate(kind: str, length: int, device: int = 0):
     raise fi.UsageError(f"unknown memory kind {kind!r}; choose one of {', '.join(MEMORY_KINDS)}")
 
 
+class DirectUnavailable(fi.UsageError):
+    """This provider cannot register GPU memory directly (no FI_HMEM, or the registration failed)."""
+
+
 @dataclass
 class Registration:
     """A buffer registered with one endpoint's domain, and how: ``path`` is host, cuda-direct or
@@ -169,10 +173,12 @@ class Registration:
 
 
 def register(stack: fi.EndpointStack, buffer, staging: HostBuffer | None = None,
-             access: int = fi.ACCESS_ALL) -> Registration:
+             access: int = fi.ACCESS_ALL, stage: bool = True) -> Registration:
     """Register a HostBuffer or CudaBuffer with the endpoint's domain (see module docstring). A staged
     buffer registered on several domains passes the first registration's ``staging`` copy to the others.
-    ``access``: what the memory may be used for (a read-only source: FI_WRITE | FI_SEND)."""
+    ``access``: what the memory may be used for (a read-only source: FI_WRITE | FI_SEND). ``stage=False``:
+    GPU memory that cannot be registered directly raises DirectUnavailable instead of getting a full pinned
+    copy (fabriclab.Engine stages through a bounded pool of its own)."""
     if buffer.kind == "host":
         return Registration(buffer, stack.register(buffer.array, access=access), "host")
     why = f"provider {stack.info.provider} does not offer FI_HMEM"
@@ -185,6 +191,8 @@ def register(stack: fi.EndpointStack, buffer, staging: HostBuffer | None = None,
             return Registration(buffer, mr, "cuda-direct")
         except fi.FabricError as exc:
             why = f"FI_HMEM registration failed: {exc}"
+    if not stage:
+        raise DirectUnavailable(why)
     owns = staging is None
     staging = staging or PinnedBuffer(buffer.length, buffer.device)
     return Registration(buffer, stack.register(staging.array, access=access), "cuda-staged", staging, why, owns)

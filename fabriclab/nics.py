@@ -82,9 +82,10 @@ class NicSet:
                      "endpoints share one)")
         return text
 
-    def register(self, buffer, access: int = fi.ACCESS_ALL) -> list[memory.Registration]:
+    def register(self, buffer, access: int = fi.ACCESS_ALL, stage: bool = True) -> list[memory.Registration]:
         """The buffer registered once per domain (per endpoint where the provider binds memory to one), for
-        for the uses ``access`` names (fi access flags; default every use)."""
+        for the uses ``access`` names (fi access flags; default every use). ``stage=False``: GPU memory that
+        some domain cannot register directly raises memory.DirectUnavailable (nothing stays registered)."""
         per_domain: dict[str, memory.Registration] = {}
         out = []
         for slot in self.slots:
@@ -92,7 +93,13 @@ class NicSet:
             reg = None if bind else per_domain.get(slot.domain_name)
             if reg is None:
                 stack = _SlotStack(self.domains[slot.domain_name], slot.ep)
-                reg = memory.register(stack, buffer, staging=out[0].staging if out else None, access=access)
+                try:
+                    reg = memory.register(stack, buffer, staging=out[0].staging if out else None, access=access,
+                                          stage=stage)
+                except memory.DirectUnavailable:
+                    for done in unique_registrations(out):
+                        done.close()
+                    raise
                 per_domain.setdefault(slot.domain_name, reg)
             out.append(reg)
         return out
