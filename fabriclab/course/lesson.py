@@ -48,8 +48,11 @@ def _where(obj) -> str:
         path = pathlib.Path(inspect.getsourcefile(obj) or "?")
     except TypeError:
         return repr(obj)
-    parts = path.parts
-    shown = "/".join(parts[parts.index("fabriclab"):]) if "fabriclab" in parts else path.name
+    package = pathlib.Path(__file__).resolve().parents[1]  # the fabriclab package, wherever it was checked out
+    try:
+        shown = "fabriclab/" + path.resolve().relative_to(package).as_posix()
+    except ValueError:
+        shown = path.name
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", "")
     return f"{shown}: {name}" if name and not inspect.ismodule(obj) else shown
 

@@ -53,6 +53,7 @@ static void open_side(side *s) {
         n->desc = fi_mr_desc(s->mr);
         n->group = i % 2;
         n->max_in_flight = 8;
+        n->cq_data_size = info->domain_attr->cq_data_size;
     }
 }
 
