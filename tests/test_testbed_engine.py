@@ -228,7 +228,7 @@ def test_random_pages_land_byte_exact_over_lossy_links(bed):
         dropped = loss_drops(bed)
     finally:
         bed.set_loss(0)
-    figures = re.fullmatch(r"wrote (\d+) pages, (\d+) bytes in ([0-9.]+) s = ([0-9.]+) Gbps sha256=([0-9a-f]{64})",
+    figures = re.fullmatch(r"wrote (\d+) pages \(\d+ writes\), (\d+) bytes in ([0-9.]+) s = ([0-9.]+) Gbps sha256=([0-9a-f]{64})",
                            wrote)
     assert figures, wrote
     print(f"\nfigure: {mib} MiB of random 64 KiB pages over {LINKS} x {RATE} at 0.1% loss: {figures.group(4)} Gbps "
@@ -255,7 +255,7 @@ def test_a_link_down_mid_transfer_fails_over_and_lands_byte_exact(bed):
         bed.link_up(link)
     print(f"\nfigure: link {link} down mid-transfer of {mib} MiB: {wrote.split(' sha256')[0]}; {down}")
     digest = re.search(r"sha256=([0-9a-f]{64})", wrote).group(1)
-    assert wrote.startswith(f"wrote {pages} pages, {mib << 20} bytes")
+    assert re.match(rf"wrote {pages} pages \(\d+ writes\), {mib << 20} bytes", wrote), wrote
     assert down.startswith(f"down {bed.links[link].ifname('client')}: ")  # the failed link, named
     assert landed == f"landed {pages} sha256={digest}"  # every page, once per imm count, byte-exact
 

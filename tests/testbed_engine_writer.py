@@ -11,7 +11,7 @@ ends of the links, comma-separated. Each role prints what the test asserts on:
                              TransferError) and "closed cleanly in S s"; exit 0 only then
     random-pages MIB IMM [LINK_TIMEOUT]
                              MIB MiB of random 64 KiB pages to a random permutation of the peer's pages:
-                             "wrote N pages, B bytes in S s = G Gbps sha256=D" (D: what the peer must hold),
+                             "wrote N pages (W writes), B bytes in S s = G Gbps sha256=D" (D: what the peer must hold),
                              then "down DOMAIN: WHY; resent N" for each NIC that was failed over
     cycles COUNT WARMUP IMM  WARMUP, then COUNT times: open an engine, connect, write one page, close the
                              peer, region and engine; "cycles C in S s = R/s fds A -> B rss A -> B KiB
@@ -77,7 +77,7 @@ def random_pages(address, descriptor, domains, mib, imm, link_timeout=None):
         result = peer.write_pages(region, range(count), descriptor, destination, PAGE, imm=imm).result(
             60 + HANG_GRACE_S)
         gbps = result.bytes * 8 / result.elapsed_s / 1e9
-        print(f"wrote {result.writes} pages, {result.bytes} bytes in {result.elapsed_s:.3f} s = {gbps:.3f} Gbps "
+        print(f"wrote {result.pages} pages ({result.writes} writes), {result.bytes} bytes in {result.elapsed_s:.3f} s = {gbps:.3f} Gbps "
               f"sha256={hashlib.sha256(landed).hexdigest()}", flush=True)
         for nic in engine.stats()["per_nic"]:
             if nic["down"]:
