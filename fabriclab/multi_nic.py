@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -80,17 +81,21 @@ class MultiNicTarget(rdma_write.Target):
         e.expected_arrivals = 2 ** 64 - 1
         e.arrivals = e.first_arrival_ns = e.last_arrival_ns = 0
         threads = max(1, min(request.get("target_threads", 1), len(self.nicset.slots)))
-        self._loop = threading.Thread(target=self._run_loop, args=(threads,), daemon=True)
+        allowed = os.sched_getaffinity(0)
+        cores = [c for c in request.get("target_cores", ()) if c in allowed][:threads]
+        cores = cores if len(cores) == threads else []
+        self._loop = threading.Thread(target=self._run_loop, args=(threads, cores), daemon=True)
         self._loop.start()
-        print(f"prepared {plan.buffer_bytes} bytes over {self.nicset.describe()}; {threads} target thread(s)",
-              flush=True)
+        print(f"prepared {plan.buffer_bytes} bytes over {self.nicset.describe()}; {threads} target thread(s)"
+              + (f" pinned to cores {','.join(map(str, cores))}" if cores else ""), flush=True)
         regions = [{"address": a, "region": r.mr.remote().pack().hex()}
                    for a, r in zip(self.nicset.addresses(), self.registrations)]
         return json.dumps({"slots": regions, "path": self.registrations[0].path,
                            "emulated": self.nicset.emulated}).encode()
 
-    def _run_loop(self, threads: int) -> None:
-        self._loop_rc = lib.fl_target_run(self.engine._ptr, threads, ffi.NULL, 0, self.timeout)
+    def _run_loop(self, threads: int, cores: list[int]) -> None:
+        self._loop_rc = lib.fl_target_run(self.engine._ptr, threads, ffi.new("int[]", cores) if cores else ffi.NULL,
+                                          int(bool(cores)), self.timeout)
 
     def finish_nics(self, expected: int, verify: bool) -> Report:
         e = self.engine._ptr
@@ -209,7 +214,8 @@ class MultiNicWriter(Writer):
         request = {"page_size": plan.page_size, "buffer_bytes": plan.buffer_bytes, "memory": memory_kind,
                    "seed": seed, "nics": len(self.nicset.slots), "addresses": self.nicset.addresses(),
                    "writes": plan.writes,
-                   "target_threads": self.target_threads or self.threads}
+                   "target_threads": self.target_threads or self.threads,
+                   "target_cores": self.target_cores(self.target_threads or self.threads)}
         reply = json.loads(self._call(PREPARE_NICS, request, REGIONS))
         self.plan, self.writes_issued = plan, 0
         self.source = memory.allocate(memory_kind, plan.buffer_bytes)
@@ -249,6 +255,17 @@ class MultiNicWriter(Writer):
 
     def worker_cores(self, threads: int) -> list[int]:
         return worker_cores(threads, self.stack.info.provider, self.cores, self.nic_groups)
+
+    def target_cores(self, threads: int) -> list[int]:
+        """Where a pinned writer asks the target to pin its threads: cores the writer's threads leave free,
+        or none (the target runs unpinned). On one host an unpinned target's busy-polling threads otherwise
+        land beside pinned writers at the scheduler's whim, halving some of them in some runs only; a target
+        on another host keeps the cores that exist there, or runs unpinned."""
+        if not self.switches()["pin"]:
+            return []
+        taken = set(self.worker_cores(self.threads))
+        free = [c for c in sorted(os.sched_getaffinity(0)) if c not in taken]
+        return free[:threads] if len(free) >= threads else []
 
     def transfer(self, warmup: int = 0) -> EngineStats:
         """Run the whole plan in the engine. ``warmup`` (writes) is ignored: chapter 10's warm-up is one

@@ -48,6 +48,21 @@ CASES = [  # stage class, options, total bytes, page size
 ]
 
 
+def test_a_pinned_writer_leaves_the_target_other_cores(target):
+    """Pinned writer threads and a busy-polling target on one host must not share cores: the writer names
+    the cores its threads leave free, and a target short of them runs unpinned."""
+    fabric, server = target
+    with writer_for(fabric, server, threaded.ThreadedWriter, nics=2, threads=1, warmup=False) as writer:
+        plan, stats, report = transfer_once(writer, 1 << 20, 65536)
+        assert report.verified is True and report.arrivals == plan.pages
+        allowed = sorted(os.sched_getaffinity(0))
+        mine, theirs = writer.worker_cores(1), writer.target_cores(len(allowed) - 1)
+        assert theirs == [c for c in allowed if c not in mine]
+        assert writer.target_cores(len(allowed)) == []  # not enough free cores: unpinned
+    with writer_for(fabric, server, threaded.ThreadedWriter, nics=2, threads=1, pin=False) as writer:
+        assert writer.target_cores(1) == []  # an unpinned writer leaves the target to the scheduler
+
+
 @pytest.mark.parametrize("cls, options, total, page", CASES, ids=[f"{c[0].stage}-{i}" for i, c in enumerate(CASES)])
 def test_every_page_lands_exactly_once(target, cls, options, total, page):
     fabric, server = target
