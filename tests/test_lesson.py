@@ -5,7 +5,7 @@ import pytest
 
 from fabriclab import fi
 from fabriclab._fabric import ffi, lib
-from fabriclab.course import figures, lesson
+from fabriclab.course import figures, lesson, tour
 from fabriclab.tools import bench
 
 SMALL = dict(total=4 << 20, rounds=1)
@@ -92,3 +92,30 @@ def test_spread_panels_draws_a_panel_per_quantity():
                                  ("layout", {"b": {"packed": [1.0], "padded": [0.5, 0.6]}})],
                                 xlabel="x", log_x=True, title="t")
     assert len(fig.axes) == 2
+
+
+def test_the_tour_table_puts_modeled_figures_beside_the_readers(tmp_path, monkeypatch):
+    monkeypatch.setenv(tour.TOUR_DIR_ENV, str(tmp_path))
+    tour.record(9, "12.0 Gbps", provider="shm")
+    tour.record_modeled(9, "652 Gbps (20.4 %)")
+    tour.record_modeled(15, "3100 Gbps (96.9 %)")  # a chapter whose lesson recorded nothing still gets a row
+    rows = tour.read_results(tmp_path)
+    assert [(r["chapter"], r["measured"], r.get("modeled")) for r in rows] == [
+        (9, "12.0 Gbps", "652 Gbps (20.4 %)"), (15, "-", "3100 Gbps (96.9 %)")]
+    table = tour.format_table(rows).splitlines()
+    assert "modeled p5 (sim)" in table[0]
+    assert "652 Gbps (20.4 %)" in table[2] and "287.089 Gbps" in table[2]
+
+
+def test_the_tour_runs_a_lesson_without_the_kernels_transport_warning(tmp_path, capfd, monkeypatch):
+    import nbformat
+    monkeypatch.delenv(tour.TOUR_DIR_ENV, raising=False)  # run_lessons sets it; put it back afterwards
+    lessons = tmp_path / "lessons"
+    lessons.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from fabriclab.course import tour\ntour.record(3, '1.0 Gbps', provider='shm')")]), lessons / "03_x.ipynb")
+    assert tour.run_lessons(lessons, tmp_path / "out") == 0
+    out, err = capfd.readouterr()
+    assert "03_x.ipynb" in out and "ok" in out
+    assert "WARNING" not in out + err
+    assert tour.read_results(tmp_path / "out")[0]["measured"] == "1.0 Gbps"

@@ -44,22 +44,39 @@ def record(chapter: int, measured: str, provider: str = "-", stage: str | None =
         provider += " (modeled)"  # a figure of the model (docs/model.md), never to be read as a wire's
     row = {"chapter": chapter, "stage": stage or ARTICLE.get(chapter, ("?",))[0], "provider": provider,
            "measured": measured, "article": ARTICLE.get(chapter, ("", "-"))[1]}
+    return _keep(f"{chapter:02d}-{row['stage'].replace(' ', '_')}", row)
+
+
+def record_modeled(chapter: int, measured: str) -> dict:
+    """Note a chapter's figure on the modeled p5 (lesson 16 runs the whole progression on it): the tour's
+    table shows it in its own column beside what the chapter's lesson measured on the reader's provider."""
+    return _keep(f"{chapter:02d}-modeled", {"chapter": chapter, "modeled": measured})
+
+
+def _keep(name: str, row: dict) -> dict:
+    """Save a row for the tour's table when the tour runs the lessons (a no-op otherwise)."""
     out = os.environ.get(TOUR_DIR_ENV)
     if out:
         path = pathlib.Path(out) / "results"
         path.mkdir(parents=True, exist_ok=True)
-        (path / f"{chapter:02d}-{row['stage'].replace(' ', '_')}.json").write_text(json.dumps(row))
+        (path / f"{name}.json").write_text(json.dumps(row))
     return row
 
 
 def read_results(out_dir: pathlib.Path) -> list[dict]:
-    rows = [json.loads(p.read_text()) for p in sorted((out_dir / "results").glob("*.json"))]
-    return sorted(rows, key=lambda r: r["chapter"])
+    rows: dict[int, dict] = {}
+    for path in sorted((out_dir / "results").glob("*.json")):
+        found = json.loads(path.read_text())
+        chapter = found["chapter"]
+        rows.setdefault(chapter, {"chapter": chapter, "stage": ARTICLE.get(chapter, ("?",))[0], "provider": "-",
+                                  "measured": "-", "article": ARTICLE.get(chapter, ("", "-"))[1]}).update(found)
+    return [rows[c] for c in sorted(rows)]
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("ch", "stage", "provider", "measured here", "article (p5)")
-    cells = [header] + [(str(r["chapter"]), r["stage"], r["provider"], r["measured"], r["article"]) for r in rows]
+    header = ("ch", "stage", "provider", "measured here", "modeled p5 (sim)", "article (p5)")
+    cells = [header] + [(str(r["chapter"]), r["stage"], r["provider"], r["measured"], r.get("modeled", "-"),
+                         r["article"]) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -85,7 +102,9 @@ def run_lessons(lessons: pathlib.Path, out_dir: pathlib.Path, cell_timeout: int 
         nb = nbformat.read(nb_path, as_version=4)
         start = time.monotonic()
         try:
+            # the kernel's warning that it talks over local TCP would repeat once per lesson between the rows
             NotebookClient(nb, timeout=cell_timeout, kernel_name="python3",
+                           extra_arguments=["--IPKernelApp.log_level=ERROR"],
                            resources={"metadata": {"path": str(lessons.resolve())}}).execute()
             status = "ok"
         except CellExecutionError as exc:
