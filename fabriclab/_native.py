@@ -199,23 +199,29 @@ class NativeEngine:
             raise fi.FabricError("fl_service_start", e.error_code, message=ffi.string(e.error).decode())
 
     def request(self, routes: np.ndarray, local_base: int, src: np.ndarray, dst: np.ndarray, stride: int,
-                lengths, imm: int, first_nic: int, pages_in_imm: bool = False) -> Request:
+                lengths, imm: int, first_nic: int, pages_in_imm: bool = False,
+                nic_order: np.ndarray | None = None) -> Request:
         """A request of ``len(src)`` writes: write i moves ``lengths[i]`` bytes (``lengths`` bytes when it is one
         integer) from ``local_base + src[i] * stride`` to ``dst[i] * stride`` of the peer's region, over NIC
         slot ``(first_nic + i) % nics`` through ``routes`` (ROUTE_DTYPE, one per slot, which must stay alive
         until the transfer is done: the workers move writes to other NICs through it). Every write carries
         ``imm`` (NO_IMM when the caller gave none); with ``pages_in_imm``, also how many pages (``lengths[i] //
-        stride``) it moves, which the target counts."""
+        stride``) it moves, which the target counts. ``nic_order`` (uint16 slot indices below the number of
+        slots): write i goes over slot ``nic_order[(first_nic + i) % len(nic_order)]`` instead."""
         uniform = np.isscalar(lengths)
         src, dst = np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64)
         src_c, dst_c = ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst)
         lengths_c = ffi.NULL if uniform else ffi.from_buffer("uint64_t[]", np.ascontiguousarray(lengths, np.uint64))
         routes_c = ffi.from_buffer("fl_route[]", routes)
+        if nic_order is not None and (not nic_order.size or int(nic_order.max()) >= routes.size):
+            raise fi.UsageError(f"NIC order {list(nic_order)} must name slots below {routes.size}")
+        order_c = ffi.NULL if nic_order is None else ffi.from_buffer("uint16_t[]", nic_order)
         c = ffi.new("fl_request *", {
             "routes": routes_c, "local_base": local_base, "src": src_c, "dst": dst_c, "stride": stride,
             "lengths": lengths_c, "length": lengths if uniform else 0, "count": src.size, "imm": imm,
-            "first_nic": first_nic, "pages_in_imm": int(pages_in_imm)})
-        return Request(c, (src_c, dst_c, lengths_c, routes_c))
+            "first_nic": first_nic, "pages_in_imm": int(pages_in_imm), "nic_order": order_c,
+            "nic_count": 0 if nic_order is None else nic_order.size})
+        return Request(c, (src_c, dst_c, lengths_c, routes_c, order_c))
 
     def submit(self, request: Request, transfer: int, start: int = 0) -> int:
         """Queue writes ``[start, count)`` of ``request``, counted against transfer id ``transfer``, to the

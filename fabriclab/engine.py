@@ -414,6 +414,12 @@ class Region:
         self._descs = np.asarray(self.descs, dtype=np.uint64)
         self.keys = [r.mr.key for r in registrations]
         self.bases = [r.mr.remote_base for r in registrations]
+        service = engine._service
+        #: the NIC slots this region's writes leave through: a GPU's own NICs (fabriclab.topology) for GPU
+        #: memory registered directly, else every slot (host memory; staged GPU memory leaves from host chunks)
+        self.nic_slots = service.groups.slots_of_gpu(self.device if self.path == "cuda-direct" else None)
+        self._nic_order = (np.asarray(self.nic_slots, dtype=np.uint16)
+                           if len(self.nic_slots) < len(service.nics.slots) else None)
 
     @property
     def staged(self) -> bool:
@@ -468,7 +474,8 @@ class Region:
 
     def __repr__(self) -> str:
         flags = (" read-only" if self.readonly else "") + (" closed" if self.closed else "")
-        return f"<Region {self.id} {self.path} {self.length} bytes{flags}>"
+        near = f" through NIC slots {','.join(map(str, self.nic_slots))}" if self._nic_order is not None else ""
+        return f"<Region {self.id} {self.path} {self.length} bytes{near}{flags}>"
 
 
 def _cuda_device(pointer: int, length: int, claimed: int | None) -> int:
@@ -1064,7 +1071,7 @@ class _Service:
         # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
         # worker threads see traffic arrive and keep polling: software providers need the target to poll.
         request = self.native.request(routes, region.address, src, dst, stride, lengths, imm, peer._next_nic,
-                                      pages_in_imm=pages is not None)
+                                      pages_in_imm=pages is not None, nic_order=region._nic_order)
         peer._next_nic = (peer._next_nic + n) % len(peer.fi_addrs)
         state = region._state
         fields = _native.TRANSFER_FIELDS

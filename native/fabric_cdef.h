@@ -284,7 +284,7 @@ int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double t
 typedef struct fl_request {
     const fl_route *routes; uint64_t local_base; const int64_t *src, *dst; uint64_t stride;
     const uint64_t *lengths; uint64_t length; uint64_t count; uint64_t imm; uint32_t transfer; uint32_t first_nic;
-    uint32_t pages_in_imm;
+    uint32_t pages_in_imm; const uint16_t *nic_order; uint32_t nic_count;
 } fl_request;
 int fl_service_start(fl_engine *e, const fl_config *cfg);
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);

@@ -422,7 +422,8 @@ int fl_service_start(fl_engine *e, const fl_config *cfg) {
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start) {
     engine_state *st = e->state;
     int threads = st->service_threads;
-    if (threads <= 0 || stopping(e) || !r->routes) return 0;
+    uint32_t span = r->nic_order ? r->nic_count : (uint32_t)e->nnics;
+    if (threads <= 0 || stopping(e) || !r->routes || !span) return 0;
     /* One lock per worker for the whole request (taken in order, so producers never deadlock). */
     uint32_t tail[FL_MAX_THREADS], room[FL_MAX_THREADS];
     for (int w = 0; w < threads; w++) {
@@ -431,8 +432,9 @@ uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start) {
         room[w] = INBOX_CAPACITY - (tail[w] - atomic_load_explicit(&st->inboxes[w].head, memory_order_acquire));
     }
     uint64_t i = start;
-    uint32_t nic = (uint32_t)((r->first_nic + start) % (uint64_t)e->nnics);
+    uint32_t turn = (uint32_t)((r->first_nic + start) % span);
     for (; i < r->count; i++) {
+        uint32_t nic = r->nic_order ? r->nic_order[turn] : turn;  /* checked < nnics by the caller */
         int w = e->nics[nic].group;
         if (!room[w]) break;
         room[w]--;
@@ -445,7 +447,7 @@ uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start) {
             .remote = route->remote_base + (uint64_t)r->dst[i] * r->stride, .len = len, .rkey = route->rkey,
             .imm = imm, .desc = (void *)(uintptr_t)route->desc, .dest = route->dest, .routes = r->routes,
             .transfer = r->transfer, .nic = (uint16_t)nic, .flags = FL_OP_IMM};
-        if (++nic == (uint32_t)e->nnics) nic = 0;
+        if (++turn == span) turn = 0;
     }
     for (int w = threads - 1; w >= 0; w--) {
         atomic_store_explicit(&st->inboxes[w].tail, tail[w], memory_order_release);

@@ -10,7 +10,8 @@
 int fl_service_start(fl_engine *e, const fl_config *cfg);
 /* One request of fabriclab.Engine: `count` writes, write i from local_base + src[i] * stride to
  * dst[i] * stride of the peer's region, lengths[i] bytes (or `length` when lengths is NULL), over NIC
- * (first_nic + i) % nnics through routes[that NIC]. */
+ * (first_nic + i) % nnics through routes[that NIC] — or, with `nic_order`, over NIC
+ * nic_order[(first_nic + i) % nic_count] (a GPU region leaves through its own GPU's NICs). */
 typedef struct fl_request {
     const fl_route *routes;
     uint64_t local_base;
@@ -23,6 +24,8 @@ typedef struct fl_request {
     uint32_t transfer;
     uint32_t first_nic;
     uint32_t pages_in_imm;  /* write i's immediate data also says it moves lengths[i] / stride pages */
+    const uint16_t *nic_order; /* NULL: every NIC in turn */
+    uint32_t nic_count;
 } fl_request;
 /* Queue writes [start, count) of a request to the worker threads; returns how many were taken (fewer
  * when the inboxes are full: submit the rest later). */

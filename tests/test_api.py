@@ -75,6 +75,32 @@ def test_paged_write_lands_byte_exact_and_is_counted(fabric, engine):
         peer_proc.close()
 
 
+def test_a_region_with_its_own_nics_leaves_only_through_them(fabric):
+    """A GPU region registered directly leaves through its GPU's NICs (Region.nic_slots, from the topology's
+    groups: tests/test_layout.py). No topology here has GPUs beside NICs, so the route is set by hand: the
+    engine must keep every write on those slots, round-robin, and land each byte."""
+    peer_proc = PeerProcess(fabric, 32 * PAGE)
+    try:
+        with Engine(fabric[0], domains=fabric[1], nics=4, threads=2, pin=False, timeout=10) as engine:
+            data = pages_of(4, 32)
+            region = engine.register(data)
+            assert region.nic_slots == [0, 1, 2, 3] and "through NIC slots" not in repr(region)
+            region.nic_slots, region._nic_order = [1, 3], np.array([1, 3], dtype=np.uint16)
+            peer = engine.connect(peer_proc.address)
+            dst = np.arange(31, -1, -1)  # descending: no run to coalesce, one write per page
+            assert peer.write_pages(region, range(32), peer_proc.descriptor, dst, PAGE, imm=6).result(10).writes == 32
+            want = np.zeros(32 * PAGE, dtype=np.uint8)
+            want.reshape(32, PAGE)[dst] = data.reshape(32, PAGE)
+            assert peer_proc.ask("expect 6 32 10") == f"landed 32 sha256={hashlib.sha256(want).hexdigest()}"
+            writes = [n["writes"] for n in engine.stats()["per_nic"]]
+            assert writes[0] == writes[2] == 0 and writes[1] == writes[3] == 16, writes
+            region._nic_order = np.array([4], dtype=np.uint16)
+            with pytest.raises(fi.UsageError, match="slots below 4"):
+                peer.write_pages(region, [0], peer_proc.descriptor, [0], PAGE)
+    finally:
+        peer_proc.close()
+
+
 def test_plain_write_with_offsets_and_asyncio(fabric, engine):
     peer_proc = PeerProcess(fabric, 4 * PAGE)
     try:
