@@ -1,7 +1,8 @@
 """Prefill -> decode: move one request's KV-cache blocks from one process's cache into another's.
 
-    python examples/kv_cache_transfer.py                 # host memory, the default provider, 2 processes
-    python examples/kv_cache_transfer.py --memory cuda   # GPU memory: cupy, torch or cuda-python, and FI_HMEM
+    python examples/kv_cache_transfer.py                 # GPU memory where there is a GPU, else host memory
+    python examples/kv_cache_transfer.py --memory cuda   # GPU memory (torch, cupy or cuda-python) or fail
+    python examples/kv_cache_transfer.py --memory host   # host memory (numpy)
     python examples/kv_cache_transfer.py --provider "tcp;ofi_rxm"
 
 Both sides hold a KV cache shaped (layers, blocks, block_bytes): one page of ``block_bytes`` per
@@ -15,10 +16,11 @@ request's blocks equal the prefill's, every other block is still zero.
 
 This script is the prefill side. It starts the decode side itself (the same file with ``--role decode``)
 and swaps engine addresses and region descriptors with it over ``fabriclab.bootstrap`` -- a small TCP
-helper for demos; any channel that moves bytes will do. Exit status 0 means byte-exact. With
-``--memory cuda`` both caches live in GPU memory (allocated with cupy, torch or cuda-python, whichever
-works); when that is impossible here, or the engine cannot register GPU memory with this provider, the
-script says why and exits with status 1 before anything is sent.
+helper for demos; any channel that moves bytes will do. Exit status 0 means byte-exact. On a machine with
+a CUDA GPU both caches are GPU tensors (torch, else cupy, else bare cuda-python), and the engine moves them
+NIC <-> GPU directly where the provider registers GPU memory (FI_HMEM), else staged through pinned host
+memory; each side prints which. Without a GPU the caches are host arrays, and the script says why;
+``--memory cuda`` makes that an error (exit status 1 before anything is sent).
 """
 from __future__ import annotations
 
@@ -75,33 +77,21 @@ class DeviceArray:
 
 
 class Memory:
-    """Where a cache lives: host (numpy) or GPU (cupy, torch, or bare cuda-python: the first that works)."""
+    """Where a cache lives: host (numpy) or GPU (torch, cupy, or bare cuda-python: the first that works).
+    ``auto``: the GPU where one is usable, else host memory (``fallback`` says why)."""
 
     def __init__(self, kind: str):
-        self.kind, self.lib = kind, None
+        self.kind, self.lib, self.module, self.fallback = kind, None, None, ""
         if kind == "host":
             return
-        why = []
-        for name in ("cupy", "torch"):
-            try:
-                module = __import__(name)
-                usable = (module.cuda.runtime.getDeviceCount() > 0 if name == "cupy"
-                          else module.cuda.is_available())
-            except Exception as exc:  # not installed, or no driver/GPU behind it
-                why.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0])
-                continue
-            if usable:
-                self.lib = name
-                self.module = module
-                return
-            why.append(f"{name}: imports but sees no CUDA device")
-        status = gpu.cuda_status()
-        if status == "ok":
-            self.lib = "cuda-python"
-            return
-        raise SystemExit("--memory cuda needs a CUDA GPU and cupy, torch or cuda-python to allocate its memory; "
-                         f"none is usable here ({'; '.join(why)}; cuda-python: {status}). "
-                         "Run with --memory host (the default).")
+        self.lib, self.module, why = gpu_library()
+        if self.lib is None and kind == "auto":
+            self.kind, self.fallback = "host", why
+        elif self.lib is None:
+            raise SystemExit(f"--memory cuda needs a CUDA GPU and torch, cupy or cuda-python to allocate its memory; "
+                             f"none is usable here ({why}). Run with --memory host.")
+        else:
+            self.kind = "cuda"
 
     def zeros(self, shape):
         if self.kind == "host":
@@ -134,6 +124,25 @@ class Memory:
         if self.lib == "torch":
             return cache.cpu().numpy()
         return cache.buffer.read().reshape(cache.shape)
+
+
+def gpu_library():
+    """(name, module, "") of the first usable way to allocate GPU memory, or (None, None, why none is)."""
+    why = []
+    for name in ("torch", "cupy"):
+        try:
+            module = __import__(name)
+            usable = module.cuda.is_available() if name == "torch" else module.cuda.runtime.getDeviceCount() > 0
+        except Exception as exc:  # not installed, or no driver/GPU behind it
+            why.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0])
+            continue
+        if usable:
+            return name, module, ""
+        why.append(f"{name}: imports but sees no CUDA device")
+    status = gpu.cuda_status()
+    if status == "ok":
+        return "cuda-python", None, ""
+    return None, None, "; ".join(why + [f"cuda-python: {status}"])
 
 
 def open_engine(args) -> Engine:
@@ -175,7 +184,8 @@ def decode(args) -> int:
         bad = 0 if exact else int(np.count_nonzero(np.any(got != want, axis=2)))
         digest = hashlib.sha256(np.ascontiguousarray(got[:, dst])).hexdigest()[:16]
         report = {"exact": exact, "bad_pages": bad, "digest": digest}
-        print(f"[decode] {plan['rounds']} x {writes} writes with imm {plan['imm']}.. arrived; "
+        print(f"[decode] cache in {region.path} memory; {plan['rounds']} x {writes} writes with imm "
+              f"{plan['imm']}.. arrived; "
               f"{'byte-exact' if exact else f'{bad} pages differ'} (request blocks sha256 {digest}...)", flush=True)
         bootstrap.exchange(args.port, bootstrap.pack(b"done", json.dumps(report).encode()), timeout=args.timeout)
         region.close()
@@ -185,9 +195,10 @@ def decode(args) -> int:
 # ------------------------------------------------------------------------------------------ prefill
 
 
-def child_command(args, port: int) -> list[str]:
-    command = [sys.executable, os.path.abspath(__file__), "--role", "decode", "--port", str(port)]
-    for name in ("layers", "blocks", "block_bytes", "request_blocks", "seed", "memory", "timeout"):
+def child_command(args, port: int, memory_kind: str) -> list[str]:
+    command = [sys.executable, os.path.abspath(__file__), "--role", "decode", "--port", str(port),
+               "--memory", memory_kind]
+    for name in ("layers", "blocks", "block_bytes", "request_blocks", "seed", "timeout"):
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for name in ("provider", "domain", "nics", "threads"):
         if getattr(args, name) is not None:
@@ -204,12 +215,14 @@ def prefill(args) -> int:
         cache = mem.zeros(shape)
         mem.upload(cache, cache_contents(args))
         region = register(engine, cache, mem)
-        where = args.memory if mem.lib is None else f"{args.memory}, {mem.lib}"
+        where = mem.kind if mem.lib is None else f"{mem.kind}, {mem.lib}, {region.path}"
+        if mem.fallback:
+            where += f"; no GPU here: {mem.fallback}"
         print(f"[prefill] {engine.provider}, {engine.nics} NIC(s), {engine.threads} thread(s); KV cache "
               f"{args.layers} layers x {args.blocks} blocks x {args.block_bytes} B = {np.prod(shape) / 2**20:.0f} MiB "
               f"({where}); request: {args.request_blocks} blocks = {total / 2**20:.1f} MiB, "
               f"{args.layers * args.request_blocks} pages", flush=True)
-        child = subprocess.Popen(child_command(args, rendezvous.port))
+        child = subprocess.Popen(child_command(args, rendezvous.port, mem.kind))
         try:
             plan = {"imm": args.imm, "rounds": args.rounds}
             address, descriptor = bootstrap.unpack(rendezvous.exchange(json.dumps(plan).encode()))
@@ -257,7 +270,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="transfers of the request (best/median Gbps)")
     p.add_argument("--imm", type=int, default=1000, help="immediate value of round 0 (round r: imm + r)")
     p.add_argument("--seed", type=int, default=17)
-    p.add_argument("--memory", choices=("host", "cuda"), default="host")
+    p.add_argument("--memory", choices=("auto", "host", "cuda"), default="auto",
+                   help="where both caches live: auto (default) = the GPU where there is one, else host")
     p.add_argument("--timeout", type=positive_seconds, default=30.0, help="deadline of every transfer and wait, seconds")
     args = p.parse_args(argv)
     if not 0 < args.request_blocks <= args.blocks:
