@@ -447,12 +447,16 @@ def compare_steps(results: list[BenchResult]) -> list[str]:
     interleaved runs) do not overlap; otherwise noise."""
     lines = []
     for before, after in zip(results, results[1:]):
-        lo_b, hi_b = min(before.runs_gbps), max(before.runs_gbps)
-        lo_a, hi_a = min(after.runs_gbps), max(after.runs_gbps)
         ratio = after.gbps / before.gbps if before.gbps else float("inf")
-        verdict = "gain" if lo_a > hi_b else "loss" if hi_a < lo_b else "noise (ranges overlap)"
-        lines.append(f"  {before.label} -> {after.label}: x{ratio:.2f}, {verdict}")
+        lines.append(f"  {before.label} -> {after.label}: x{ratio:.2f}, "
+                     f"{verdict(before.runs_gbps, after.runs_gbps)}")
     return lines
+
+
+def verdict(before, after) -> str:
+    """"gain" or "loss" from the runs ``before`` to the runs ``after`` only when their ranges (min-max) do
+    not overlap; otherwise "noise (ranges overlap)"."""
+    return "gain" if min(after) > max(before) else "loss" if max(after) < min(before) else "noise (ranges overlap)"
 
 
 def gpu_copy(host: np.ndarray):
@@ -682,17 +686,17 @@ def defaults_comparison(provider: str | None, domain: str | None = None, layouts
     layouts = [None] + list(layout_sweep(len(os.sched_getaffinity(0))) if layouts is None else layouts)
     runs, chosen, ceilings = [[] for _ in layouts], {}, []
     largest = max(n * size for n, size in shapes)
-    for _ in range(rounds):
-        for i, layout in enumerate(layouts):
-            runs[i].append(_defaults_round(provider, domain, layout, shapes, transfers, warmup, timeout, chosen))
+    for r in range(rounds):
+        # each round starts one layout further on: no layout always runs first (after an idle spell) or last
+        for i in [(r + k) % len(layouts) for k in range(len(layouts))]:
+            runs[i].append(_defaults_round(provider, domain, layouts[i], shapes, transfers, warmup, timeout, chosen))
         ceilings.append(memcpy_rate(largest, threads=8, repeats=5))
     rows = []
     for layout, measured in zip(layouts, runs):
         cases = measured[0]["gbs"]
         rows.append({"layout": "defaults" if layout is None else f"nics={layout[0]} threads={layout[1]}",
                      "gbs": {c: float(np.median([m["gbs"][c] for m in measured])) for c in cases},
-                     "spread": {c: [min(m["gbs"][c] for m in measured), max(m["gbs"][c] for m in measured)]
-                                for c in cases},
+                     "runs": {c: [m["gbs"][c] for m in measured] for c in cases},
                      "writes": measured[-1]["writes"]})
     pages, size = shapes[0]
     return {"provider": provider, "rows": rows, "defaults": chosen,
@@ -748,6 +752,13 @@ def format_defaults(result: dict) -> str:
     best = {c: max(r["gbs"][c] for r in result["rows"][1:] or result["rows"]) for c in cases}
     lines.append(f"{'defaults % of best':<{width}}  " + "  ".join(f"{defaults['gbs'][c] / best[c] * 100:>21.0f}%"
                                                                  for c in cases))
+    chosen = result["defaults"]
+    same = next((r for r in result["rows"][1:]
+                 if r["layout"] == f"nics={chosen.get('nics')} threads={chosen.get('threads')}"), None)
+    if same is not None:  # the same NIC slots, threads, groups and cores (tests/test_layout.py checks it)
+        lines.append(f"defaults against {same['layout']}, the same layout: " + ", ".join(
+            f"{c} x{defaults['gbs'][c] / same['gbs'][c]:.2f} {verdict(same['runs'][c], defaults['runs'][c])}"
+            for c in cases))
     permuted = result["against_ceiling"]
     ceiling = result["memcpy_8_threads_gbs"]
     spread = result["memcpy_8_threads_runs_gbs"]
