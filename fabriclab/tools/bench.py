@@ -1,8 +1,8 @@
 """One benchmark harness for every stage from chapter 6 on, in the spirit of fabtests: the same options,
 the same columns and the same formula for all stages (Gbps = bytes × 8 / elapsed / 1e9), byte-exact
-verification by the target on by default, and a ceiling measured in the same run — the time one memcpy
-of the same bytes takes on this machine — so a reader without a 100 Gbps NIC still gets a "% of line
-rate" that means something.
+verification by the target on by default, and a ceiling measured in the same run — what this machine's
+cores copy per second, as many threads as the run's, each its own slice of the same bytes (memcpy_rate)
+— so a reader without a 100 Gbps NIC still gets a "% of line rate" that means something.
 
     python -m fabriclab bench --stage opqueue --page-size 64K --total 256M [--json]
     python -m fabriclab bench --stage batched --nics 4 --threads 2 --sweep 4K,16K,64K,256K,1M
