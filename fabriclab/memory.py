@@ -98,6 +98,11 @@ class CudaBuffer:
         self.pointer = int(self.cuda.call("cuMemAlloc", self.length))
         self._open = True
 
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """The buffer as a CUDA array of bytes: what ``fabriclab.Engine.register`` (and cupy, numba) take."""
+        return {"shape": (self.length,), "typestr": "|u1", "data": (self.pointer, False), "version": 3}
+
     def write(self, data: np.ndarray, offset: int = 0) -> None:
         data = np.ascontiguousarray(data, dtype=np.uint8)
         self.cuda.call("cuMemcpyHtoD", self.pointer + offset, data.ctypes.data, data.size)

@@ -308,3 +308,6 @@ void fl_signals_free(fl_signal_snapshot *snap);
 #define FL_PACKED_SLOTS ...
 #define FL_PADDED_SLOTS ...
 double fl_counter_bench(int layout, int threads, uint64_t updates, const int *cores, int ncores);
+
+/* ------------------------------------------------------------- the bench's memcpy ceiling (copyrate.h) */
+int fl_memcpy_rate(int threads, size_t bytes_per_thread, int repeats, const int *cores, int ncores, double *gbps);

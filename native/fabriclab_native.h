@@ -21,4 +21,5 @@
 #include "course.h"
 #include "service.h"
 #include "sharing.h"
+#include "copyrate.h"
 #endif

@@ -2,6 +2,7 @@
 import asyncio
 import gc
 import hashlib
+import json
 import os
 import resource
 import subprocess
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed,
-                       TransferTimeout, bootstrap, fi)
+                       TransferTimeout, bootstrap, fi, gpu)
 from conftest import open_fds
 
 PEER = os.path.join(os.path.dirname(__file__), "api_peer.py")
@@ -262,6 +263,51 @@ def test_bench_api_compares_engine_and_stage_15_paths(fabric):
     assert result["raw_gbps"] > 0 and result["api_gbps"] > 0
     assert result["ratio"] == pytest.approx(result["api_gbps"] / result["raw_gbps"])
     assert set(result["us_per_call"]) == {1, 16} and all(us > 0 for us in result["us_per_call"].values())
+
+
+def bench_command(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "fabriclab", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.skipif(gpu.cuda_status() == "ok", reason="CUDA is here: the GPU test runs the command")
+def test_bench_api_gpu_memory_without_cuda_says_what_to_install():
+    done = bench_command("--api", "--memory", "cuda", "--provider", "shm")
+    assert done.returncode == 2, done
+    assert f"GPU memory was asked for, but {gpu.cuda_status()}; use --memory host" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--memory", "tpu"], "invalid choice: 'tpu'"),
+    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    (["--defaults"], "not allowed with argument --api"),
+    (["--in-flight", "0", "--memory", "cuda"], "pages in flight must be at least 1"),
+])
+def test_bench_api_refuses_bad_arguments_before_starting_anything(args, message):
+    done = bench_command("--api", *args, "--provider", "shm")
+    assert done.returncode == 2 and message in done.stderr, done
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu.cuda_status() != "ok", reason=f"needs CUDA: {gpu.cuda_status()}")
+def test_bench_api_reports_the_gpu_memory_path():
+    done = bench_command("--api", "--memory", "cuda", "--provider", "shm", "--total", "64M", "--rounds", "2",
+                         "--json", timeout=300)
+    print(done.stdout, done.stderr)
+    assert done.returncode == 0, done
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["memory"] == "cuda" and result["api_gbps"] > 0 and result["raw_gbps"] > 0
+    assert result["source"]["path"] in ("cuda-direct", "cuda-staged")
+    assert f"Engine source region: {result['source']['path']}" in done.stdout
+    target = result["target"]
+    if target["path"] == "host":  # the target engine cannot take GPU memory as a target: it said why
+        assert "GPU memory cannot be a target here" in target["why"]
+    else:
+        assert target["path"] in ("cuda-direct", "cuda-staged")
+    assert "staging on the source side:" in done.stdout and "staging on the target side:" in done.stdout
+    if result["source"]["path"] == "cuda-staged":
+        assert result["staging"]["staged_bytes"] > 0 and result["staging"]["copy_seconds"] > 0
 
 
 def test_one_error_root():

@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from fabriclab import Engine, batched, engine as engine_module, memory, nics, rdma_write
+from fabriclab import Engine, batched, engine as engine_module, fi, memory, nics, rdma_write
 from fabriclab.engine import coalesce_pages
 from fabriclab.topology import Topology
 from fabriclab.tools.peers import start_server
@@ -50,6 +50,33 @@ def test_engine_defaults_say_what_they_chose(fabric):
         assert engine.stats()["layout"]["nics"] == "given" and "defaults" not in repr(engine)
     with Engine(fabric[0], domains=fabric[1], pin=False, threads=3) as engine:
         assert engine.nics >= 3  # emulated slots for the threads asked for
+
+
+def configuration(engine) -> dict:
+    """Everything a layout sets in an engine: its NIC slots (each one's domain, emulated or not, worker group and
+    writes in flight), its threads and the cores they are pinned to."""
+    stats = engine.stats()
+    return {"threads": engine.threads, "worker_cores": engine.worker_cores,
+            "housekeeping_cores": engine.housekeeping_cores, "groups": stats["layout"]["groups"],
+            "slots": [(n["domain"], n["emulated"], n["group"], engine._service.native.nic(n["nic"]).max_in_flight)
+                      for n in stats["per_nic"]]}
+
+
+@pytest.mark.parametrize("cores", [None, 16], ids=["this-host", "16-cores"])
+def test_defaults_and_the_same_numbers_given_build_the_same_engine(fabric, monkeypatch, cores):
+    """bench --defaults saw Engine() beat Engine(nics=8, threads=8) on a 16-core host: the two must differ in
+    nothing but the words saying who chose. 16-cores: the host as that one looked (8 slots, 8 threads); on
+    fewer real cores the pinning asked for simply does not take, and nothing here is timed."""
+    if cores:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    with Engine(fabric[0], domains=fabric[1], timeout=10) as chosen:
+        defaults = configuration(chosen)
+        numbers = {"nics": chosen.nics, "threads": chosen.threads}
+    with Engine(fabric[0], domains=fabric[1], timeout=10, **numbers) as given:
+        assert configuration(given) == defaults
+        assert given.stats()["layout"]["nics"] == "given"
+    if cores:
+        assert numbers == {"nics": 8, "threads": 8}
 
 
 # ------------------------------------------------------------------------------------- grouping
@@ -197,3 +224,26 @@ def test_bench_defaults_prints_a_table_with_defaults_against_the_sweep(fabric):
     assert result["rows"][1]["writes"]["4x64 KiB permuted"] >= 3
     table = format_defaults(result)
     assert "defaults % of best" in table and "memcpy ceiling" in table
+    assert "pthreads" in result["memcpy_method"] and len(result["memcpy_8_threads_runs_gbs"]) == 1
+    assert "memcpy measured as: C memcpy" in table
+
+
+def test_bench_defaults_compares_the_defaults_with_the_same_layout_given(fabric):
+    from fabriclab.tools.bench import defaults_comparison, format_defaults
+    with Engine(fabric[0], domains=fabric[1], pin=False) as engine:
+        same = (engine.nics, engine.threads)
+    result = defaults_comparison(fabric[0], fabric[1], layouts=[same], shapes=((16, 4096),), transfers=2, warmup=1,
+                                 rounds=2, timeout=20)
+    assert all(len(runs) == 2 for row in result["rows"] for runs in row["runs"].values())
+    assert f"defaults against nics={same[0]} threads={same[1]}, the same layout: 16x4 KiB contiguous x" \
+        in format_defaults(result)
+
+
+def test_memcpy_ceiling_runs_c_threads_started_together():
+    from fabriclab.tools.bench import memcpy_gbps, memcpy_rate
+    rate = memcpy_rate(1 << 20, threads=2, repeats=3)
+    assert len(rate["runs"]) == 3 and rate["gbps"] == max(rate["runs"]) > 0
+    assert "2 pthreads" in rate["method"] and "each copying its own warmed" in rate["method"]
+    assert memcpy_gbps(1 << 20) > 0
+    with pytest.raises(fi.UsageError, match="use fewer threads"):
+        memcpy_rate(1 << 20, threads=5000)

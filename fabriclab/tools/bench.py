@@ -1,8 +1,8 @@
 """One benchmark harness for every stage from chapter 6 on, in the spirit of fabtests: the same options,
 the same columns and the same formula for all stages (Gbps = bytes × 8 / elapsed / 1e9), byte-exact
-verification by the target on by default, and a ceiling measured in the same run — the time one memcpy
-of the same bytes takes on this machine — so a reader without a 100 Gbps NIC still gets a "% of line
-rate" that means something.
+verification by the target on by default, and a ceiling measured in the same run — what this machine's
+cores copy per second, as many threads as the run's, each its own slice of the same bytes (memcpy_rate)
+— so a reader without a 100 Gbps NIC still gets a "% of line rate" that means something.
 
     python -m fabriclab bench --stage opqueue --page-size 64K --total 256M [--json]
     python -m fabriclab bench --stage batched --nics 4 --threads 2 --sweep 4K,16K,64K,256K,1M
@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import shlex
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from .. import batched, cli, fi, memory, multi_nic, nics, opqueue, rdma_write, threaded
+from .. import batched, cli, fi, gpu, memory, multi_nic, nics, opqueue, rdma_write, threaded
 from .peers import ServerProcess
 
 #: stage name → its writer class
@@ -184,6 +184,7 @@ class BenchResult:
     modeled: bool = False  # measured on modeled NICs (provider sim, docs/model.md): the model's Gbps, not a wire's
     line_gbps: float = 0.0  # the NICs' aggregate link speed as the provider reports it (0: not reported)
     runs_gbps: list = field(default_factory=list)  # every interleaved run of this configuration (progression)
+    memcpy_method: str = ""  # how memcpy_gbps was measured (memcpy_rate)
 
     COLUMNS = ("stage", "provider", "memory", "nics", "threads", "page", "in flight", "bytes", "elapsed s", "Gbps",
                "% of line", "Mops/s", "ns CPU/op", "verified")
@@ -200,23 +201,57 @@ class BenchResult:
                 f"{self.cpu_ns_per_op:.0f}", str(self.verified))
 
 
+#: The least a memcpy ceiling copies: at least twice the last-level cache as well (last_level_cache_bytes),
+#: so that it streams from memory like a transfer of gigabytes rather than from cache.
+COPY_FLOOR_BYTES = 64 << 20
+
+
+def last_level_cache_bytes() -> int:
+    """This machine's last-level caches, every instance counted once (sysfs); 0 where sysfs does not say."""
+    instances: dict[str, int] = {}
+    deepest = 0
+    for cache in glob.glob("/sys/devices/system/cpu/cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            with open(f"{cache}/level") as f:
+                level = int(f.read())
+            with open(f"{cache}/size") as f:
+                size = cli.positive_size(f.read().strip())
+            with open(f"{cache}/shared_cpu_list") as f:
+                shared = f.read().strip()
+        except (OSError, ValueError, argparse.ArgumentTypeError):
+            continue
+        if level > deepest:
+            deepest, instances = level, {}
+        if level == deepest:
+            instances[shared] = size
+    return sum(instances.values())
+
+
+def memcpy_rate(nbytes: int, threads: int = 1, repeats: int = 3) -> dict:
+    """What the CPU copies per second, the way two processes on one host move bytes over shm (one copy per
+    byte, several threads on disjoint buffers): ``threads`` C threads (native/copyrate.c), each pinned to a
+    core of its own where there are enough and copying its own slice of ``nbytes`` (at least
+    COPY_FLOOR_BYTES and twice the last-level cache; at most 256 MiB a thread), allocated and touched by
+    that thread beforehand, all started together ``repeats`` times. Returns {"gbps": the best repeat,
+    "runs": every repeat's Gbps, "method": how it was measured, in words}."""
+    from .._fabric import ffi, lib
+    total = max(nbytes, COPY_FLOOR_BYTES, 2 * last_level_cache_bytes())
+    per_thread = max(1, min(total // threads, 256 << 20))
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = [c for c in allowed if c != 0] + [c for c in allowed if c == 0]  # core 0 last, as worker_cores
+    runs = ffi.new("double[]", repeats)
+    if lib.fl_memcpy_rate(threads, per_thread, repeats, ffi.new("int[]", cores), len(cores), runs) != 0:
+        raise fi.UsageError(f"the memcpy ceiling could not run {threads} threads x {cli.format_size(per_thread)} "
+                            f"(too many threads, or not enough memory): use fewer threads or a smaller size")
+    pinned = "each on its own core" if threads <= len(cores) else f"sharing {len(cores)} cores"
+    return {"gbps": max(runs), "runs": list(runs),
+            "method": f"C memcpy, {threads} pthread{'s' if threads > 1 else ''} {pinned}, each copying its own "
+                      f"warmed {cli.format_size(per_thread)}, started together; best of {repeats}"}
+
+
 def memcpy_gbps(nbytes: int, threads: int = 1, repeats: int = 3) -> float:
-    """Best of ``repeats`` copies of ``nbytes`` (capped at 256 MiB per thread) split over ``threads``
-    threads copying at once, in Gbps. numpy releases the GIL while it copies."""
-    per_thread = max(1, min(nbytes // threads, 256 << 20))
-    pairs = [(np.ones(per_thread, dtype=np.uint8), np.empty(per_thread, dtype=np.uint8)) for _ in range(threads)]
-    for src, dst in pairs:
-        np.copyto(dst, src)  # fault the pages in before timing
-    best = float("inf")
-    for _ in range(repeats):
-        workers = [threading.Thread(target=np.copyto, args=(dst, src)) for src, dst in pairs]
-        t0 = time.perf_counter()
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        best = min(best, time.perf_counter() - t0)
-    return per_thread * threads * 8 / best / 1e9
+    """memcpy_rate's best repeat, in Gbps."""
+    return memcpy_rate(nbytes, threads, repeats)["gbps"]
 
 
 def format_table(results: list[BenchResult]) -> str:
@@ -270,7 +305,7 @@ class Bench:
         # One writer per stage, each on its own endpoint (a writer owns its completion queue), made anew
         # when its options change.
         self._writers: dict[str, tuple[dict, rdma_write.Writer]] = {}
-        self._memcpy: dict[tuple, float] = {}
+        self._memcpy: dict[tuple, dict] = {}  # (bytes, threads) -> memcpy_rate
 
     @classmethod
     def for_config(cls, config: BenchConfig) -> "Bench":
@@ -327,10 +362,9 @@ class Bench:
         report = writer.finish(verify=config.verify)
         writer.release()
         threads = getattr(stats, "threads", 1)
-        # at least 64 MiB, so that a small buffer is not measured copying from cache
         if (plan.buffer_bytes, threads) not in self._memcpy:
-            self._memcpy[plan.buffer_bytes, threads] = memcpy_gbps(max(plan.buffer_bytes, 64 << 20), threads, 5)
-        ceiling = self._memcpy[plan.buffer_bytes, threads]
+            self._memcpy[plan.buffer_bytes, threads] = memcpy_rate(plan.buffer_bytes, threads, 5)
+        ceiling = self._memcpy[plan.buffer_bytes, threads]["gbps"]
         path = paths["local"] if paths["local"] == paths["remote_path"] else f"{paths['local']}->{paths['remote_path']}"
         info = writer.stack.info
         nics = getattr(stats, "nics", 1)
@@ -341,6 +375,7 @@ class Bench:
             writes=stats.writes, total_bytes=stats.bytes, elapsed_s=stats.elapsed_s, gbps=stats.gbps, mops=stats.mops,
             cpu_ns_per_op=stats.cpu_ns_per_op, eagain=stats.eagain, verified=report.verified, landed=report.arrivals,
             memcpy_gbps=ceiling, ratio_to_memcpy=stats.gbps / ceiling if ceiling else 0.0,
+            memcpy_method=self._memcpy[plan.buffer_bytes, threads]["method"],
             nics=getattr(stats, "nics", 1), emulated_nics=getattr(stats, "emulated_nics", 0), threads=threads,
             landed_gbps=stats.bytes * 8 / report.landed_s / 1e9 if report.landed_s > 0 else 0.0,
             paths=paths, per_nic=getattr(stats, "per_nic", []), label=label, duplicates=report.duplicates,
@@ -412,30 +447,94 @@ def compare_steps(results: list[BenchResult]) -> list[str]:
     interleaved runs) do not overlap; otherwise noise."""
     lines = []
     for before, after in zip(results, results[1:]):
-        lo_b, hi_b = min(before.runs_gbps), max(before.runs_gbps)
-        lo_a, hi_a = min(after.runs_gbps), max(after.runs_gbps)
         ratio = after.gbps / before.gbps if before.gbps else float("inf")
-        verdict = "gain" if lo_a > hi_b else "loss" if hi_a < lo_b else "noise (ranges overlap)"
-        lines.append(f"  {before.label} -> {after.label}: x{ratio:.2f}, {verdict}")
+        lines.append(f"  {before.label} -> {after.label}: x{ratio:.2f}, "
+                     f"{verdict(before.runs_gbps, after.runs_gbps)}")
     return lines
 
 
+def verdict(before, after) -> str:
+    """"gain" or "loss" from the runs ``before`` to the runs ``after`` only when their ranges (min-max) do
+    not overlap; otherwise "noise (ranges overlap)"."""
+    return "gain" if min(after) > max(before) else "loss" if max(after) < min(before) else "noise (ranges overlap)"
+
+
+def gpu_copy(host: np.ndarray):
+    """``host``'s bytes in GPU memory, as ``Engine.register`` takes them: a torch CUDA tensor when torch is
+    importable and sees a GPU, else cuda-python device memory (memory.CudaBuffer). Without CUDA, UsageError
+    naming what is missing."""
+    gpu.require_cuda()  # the Engine needs cuda-python either way: it asks the driver where the memory lives
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        return torch.from_numpy(host).to("cuda")
+    buffer = memory.CudaBuffer(host.size)
+    buffer.write(host)
+    return buffer
+
+
+def _api_target_region(engine, size: int, memory_kind: str):
+    """The target's region and what the bench prints of it ({"path", "why"}). GPU memory where the engine
+    can make it a target (its descriptor() says so), else host memory, with the reason."""
+    fallback = ""
+    if memory_kind == "cuda":
+        region = engine.register(gpu_copy(np.zeros(size, dtype=np.uint8)))
+        try:
+            region.descriptor()
+            return region, {"path": region.path, "why": region.why}
+        except fi.UsageError as exc:
+            region.close()
+            fallback = f"GPU memory cannot be a target here ({exc}): the target is host memory"
+    region = engine.register(np.zeros(size, dtype=np.uint8))
+    return region, {"path": region.path, "why": fallback}
+
+
 def api_target() -> None:
-    """The far side of ``--api``: an Engine with one buffer; swaps (address, descriptor) over the
-    bootstrap socket, then serves until its standard input closes. Arguments: provider domains nics
-    threads bytes (``-`` for none: the Engine's default)."""
+    """The far side of ``--api``: an Engine with one buffer; swaps (address, descriptor, its region's path
+    as JSON) over the bootstrap socket, serves until its standard input closes, then prints its engine's
+    staging figures as one JSON line. Arguments: provider domains nics threads bytes memory (``-`` for
+    none: the Engine's default)."""
     from .. import bootstrap
     from ..engine import Engine
-    provider, domains, nics, threads, size = sys.argv[1:6]
+    provider, domains, nics, threads, size, memory_kind = sys.argv[1:7]
     # unpinned, like the stage-15 target: two engines pinned on one host would share the same cores
     with Engine(None if provider == "-" else provider, domains=None if domains == "-" else domains,
-                nics=None if nics == "-" else int(nics),
-                threads=None if threads == "-" else int(threads), pin=False, gpu=False) as engine:
-        region = engine.register(np.zeros(int(size), dtype=np.uint8))
+                nics=None if nics == "-" else int(nics), threads=None if threads == "-" else int(threads),
+                pin=False, gpu=memory_kind == "cuda") as engine:
+        region, path = _api_target_region(engine, int(size), memory_kind)
         with bootstrap.Rendezvous() as rendezvous:
             print(rendezvous.port, flush=True)
-            rendezvous.exchange(bootstrap.pack(engine.address, region.descriptor()))
+            rendezvous.exchange(bootstrap.pack(engine.address, region.descriptor(), json.dumps(path).encode()))
         sys.stdin.read()
+        print(json.dumps(engine.stats()["staging"]), flush=True)
+
+
+@contextlib.contextmanager
+def _api_peer(provider, domain, layout, size: int, memory_kind: str = "host"):
+    """api_target in another process with ``layout`` ((nics, threads), either None for the default; None:
+    both defaults); yields a dict with its "address", "descriptor" and "target" ({"path", "why"} of its
+    region), to which "target_staging" (its engine's staging figures) is added once the block is left."""
+    import subprocess
+    from .. import bootstrap
+    nics, threads = layout or (None, None)
+    target = subprocess.Popen([sys.executable, "-c", "from fabriclab.tools.bench import api_target; api_target()",
+                               provider or "-", domain or "-", "-" if nics is None else str(nics),
+                               "-" if threads is None else str(threads), str(size), memory_kind],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(target.stdout.readline())
+        address, descriptor, path = bootstrap.unpack(bootstrap.exchange(port, b"bench"))
+        peer = {"address": address, "descriptor": descriptor, "target": json.loads(path)}
+        yield peer
+    finally:
+        try:
+            report = target.communicate(timeout=30)[0].splitlines()  # closes its standard input: it ends
+        except subprocess.TimeoutExpired:
+            target.kill()
+            report = target.communicate()[0].splitlines()
+    peer["target_staging"] = json.loads(report[-1]) if report else {}
 
 
 @contextlib.contextmanager
@@ -456,42 +555,49 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
     """The same workload through ``Engine.write_pages`` (pages in calls of ``batch_pages``, up to
     ``outstanding`` calls in flight) and through the stage-15 path (``batched``), alternating ``rounds``
     times and compared by their medians (one run of each swings by 10-20 % on a busy host), plus the
-    Python cost of one ``write_pages`` call of 1, 16 and 256 pages."""
+    Python cost of one ``write_pages`` call of 1, 16 and 256 pages.
+
+    With ``config.memory == "cuda"`` the Engine's source is GPU memory (gpu_copy) and so is its target
+    where the target engine can take GPU memory as a target (else host memory, and the result says why);
+    "source" and "target" say the path each region took (``Region.path``/``why``), "staging" and
+    "target_staging" both engines' ``stats()["staging"]`` after the last round."""
+    config.check()
+    if rounds <= 0:
+        raise fi.UsageError(f"--rounds must be at least 1, got {rounds}")
+    if config.memory == "cuda":
+        gpu.require_cuda()  # before any process starts: no CUDA here, and the error says what to install
     raw_runs, api_runs, overhead = [], [], {}
     for _ in range(rounds):
         raw = run(BenchConfig(**{**asdict(config), "stage": "batched", "verify": False}))
         raw_runs.append(raw.gbps)
-        gbps, measured, caller_cores = _api_round(config, raw.provider, () if overhead else calls, batch_pages,
-                                                  outstanding)
-        api_runs.append(gbps)
-        overhead = overhead or measured
+        measured = _api_round(config, raw.provider, () if overhead else calls, batch_pages, outstanding)
+        api_runs.append(measured["gbps"])
+        overhead = overhead or measured["us_per_call"]
     raw_gbps, api_gbps = float(np.median(raw_runs)), float(np.median(api_runs))
     return {"raw_gbps": raw_gbps, "api_gbps": api_gbps, "ratio": api_gbps / raw_gbps if raw_gbps else 0.0,
             "raw_runs": raw_runs, "api_runs": api_runs, "us_per_call": overhead,
             "page_size": config.page_size, "threads": config.threads, "nics": raw.nics, "provider": raw.provider,
-            "caller_cores": sorted(caller_cores)}
+            "caller_cores": measured["caller_cores"], "memory": config.memory, "raw_memory": raw.memory,
+            "source": measured["source"], "target": measured["target"], "staging": measured["staging"],
+            "target_staging": measured["target_staging"]}
 
 
-def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outstanding: int):
+def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outstanding: int) -> dict:
     """One timed pass through the Engine (a fresh target process and engine, so that neither idles beside
-    the raw runs); returns Gbps, the Python µs per call for each size in ``calls``, and the calling
-    thread's cores."""
-    import subprocess
-    from .. import bootstrap
+    the raw runs): Gbps, the Python µs per call for each size in ``calls``, the calling thread's cores, the
+    path of each region and both engines' staging figures."""
     from ..engine import Engine
     plan = rdma_write.PagePlan.for_total(config.page_size, config.total)
-    target = subprocess.Popen([sys.executable, "-c", "from fabriclab.tools.bench import api_target; api_target()", provider,
-                               config.domain or "-", str(config.nics or "-"), str(config.threads),
-                               str(plan.buffer_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(target.stdout.readline())
-        address, descriptor = bootstrap.unpack(bootstrap.exchange(port, b"bench"))
+    cuda = config.memory == "cuda"
+    with _api_peer(provider, config.domain, (config.nics, config.threads), plan.buffer_bytes,
+                   config.memory) as target:
+        address, descriptor = target["address"], target["descriptor"]
         with Engine(provider, domains=config.domain, nics=config.nics, threads=config.threads, pin=config.pin,
                     batch=config.batch, fi_more=config.fi_more, timeout=config.timeout,
-                    in_flight=config.in_flight, gpu=False) as engine, _running_on(engine.housekeeping_cores):
-            caller_cores = os.sched_getaffinity(0)
+                    in_flight=config.in_flight, gpu=cuda) as engine, _running_on(engine.housekeeping_cores):
+            caller_cores = sorted(os.sched_getaffinity(0))
             source = np.frombuffer(np.random.default_rng(1).bytes(plan.buffer_bytes), dtype=np.uint8).copy()
-            region = engine.register(source)
+            region = engine.register(gpu_copy(source) if cuda else source)
             peer = engine.connect(address)
             whole = plan.buffer_bytes // plan.page_size
             pages = np.arange(plan.writes) % whole
@@ -520,10 +626,43 @@ def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outs
                 for t in transfers:
                     t.result()
                 overhead[n] = spent / 50 * 1e6
-    finally:
-        target.stdin.close()
-        target.wait(30)
-    return gbps, overhead, caller_cores
+            staging = engine.stats()["staging"]
+    return {"gbps": gbps, "us_per_call": overhead, "caller_cores": caller_cores,
+            "source": {"path": region.path, "why": region.why}, "target": target["target"], "staging": staging,
+            "target_staging": target["target_staging"]}
+
+
+def format_api(r: dict) -> str:
+    """api_comparison's result in words: both paths' Gbps, the Python cost per call and, for GPU memory,
+    the path each region took and what went through the staging pools."""
+    lines = [f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {cli.format_size(r['page_size'])} pages, "
+             f"{r['memory']} memory: stage-15 path {r['raw_gbps']:.2f} Gbps, Engine.write_pages {r['api_gbps']:.2f} "
+             f"Gbps ({r['ratio'] * 100:.1f} % of it); medians of {len(r['raw_runs'])} alternating runs "
+             f"(stage 15: {', '.join(f'{g:.1f}' for g in r['raw_runs'])}; Engine: "
+             f"{', '.join(f'{g:.1f}' for g in r['api_runs'])}); the calling thread ran on cores "
+             f"{','.join(map(str, r['caller_cores']))}",
+             "Python cost per write_pages call: " + ", ".join(f"{n} page(s) {us:.1f} us"
+                                                            for n, us in r["us_per_call"].items())]
+    if r["memory"] == "cuda":
+        for side in ("source", "target"):
+            path = r[side]
+            lines.append(f"Engine {side} region: {path['path']}" + (f" ({path['why']})" if path["why"] else ""))
+        lines.append(f"stage-15 path memory: {r['raw_memory']}")
+        for side, staging in (("source", r["staging"]), ("target", r["target_staging"])):
+            lines.append(f"staging on the {side} side: {describe_staging(staging)}")
+    return "\n".join(lines)
+
+
+def describe_staging(staging: dict) -> str:
+    """An engine's ``stats()["staging"]`` in words."""
+    if not staging:
+        return "not reported"
+    if not staging["allocated"]:
+        return f"nothing staged (pool of {cli.format_size(staging['pool_bytes'])} not allocated)"
+    copied = staging["staged_bytes"] / staging["copy_seconds"] / 1e9 if staging["copy_seconds"] else 0.0
+    return (f"{cli.format_size(staging['staged_bytes'])} in {staging['staged_chunks']} chunks through a pool of "
+            f"{cli.format_size(staging['pool_bytes'])} ({cli.format_size(staging['chunk_bytes'])} chunks), "
+            f"{staging['copy_seconds']:.3f} s copying ({copied:.1f} GB/s), {staging['jobs_waiting']} job(s) waiting")
 
 
 # The shapes of issue 15's benchmark: (pages per transfer, page size), each bytes-equal (64 MiB a transfer).
@@ -542,23 +681,27 @@ def defaults_comparison(provider: str | None, domain: str | None = None, layouts
     writer and its target in two processes with the same layout: per shape, ``warmup`` then ``transfers``
     timed transfers of every page, one at a time, with pages contiguous and permuted on the target. The
     layouts take turns ``rounds`` times; GB/s per (layout, shape, order) is the median of the rounds (with
-    their spread), next to the writes a transfer became; plus the 8-thread memcpy ceiling."""
+    their spread), next to the writes a transfer became; plus the 8-thread memcpy ceiling (memcpy_rate of a
+    transfer's bytes, once a round: its median, in GB/s)."""
     layouts = [None] + list(layout_sweep(len(os.sched_getaffinity(0))) if layouts is None else layouts)
-    runs, chosen = [[] for _ in layouts], {}
-    for _ in range(rounds):
-        for i, layout in enumerate(layouts):
-            runs[i].append(_defaults_round(provider, domain, layout, shapes, transfers, warmup, timeout, chosen))
+    runs, chosen, ceilings = [[] for _ in layouts], {}, []
+    largest = max(n * size for n, size in shapes)
+    for r in range(rounds):
+        # each round starts one layout further on: no layout always runs first (after an idle spell) or last
+        for i in [(r + k) % len(layouts) for k in range(len(layouts))]:
+            runs[i].append(_defaults_round(provider, domain, layouts[i], shapes, transfers, warmup, timeout, chosen))
+        ceilings.append(memcpy_rate(largest, threads=8, repeats=5))
     rows = []
     for layout, measured in zip(layouts, runs):
         cases = measured[0]["gbs"]
         rows.append({"layout": "defaults" if layout is None else f"nics={layout[0]} threads={layout[1]}",
                      "gbs": {c: float(np.median([m["gbs"][c] for m in measured])) for c in cases},
-                     "spread": {c: [min(m["gbs"][c] for m in measured), max(m["gbs"][c] for m in measured)]
-                                for c in cases},
+                     "runs": {c: [m["gbs"][c] for m in measured] for c in cases},
                      "writes": measured[-1]["writes"]})
-    ceiling = memcpy_gbps(max(n * size for n, size in shapes), threads=8, repeats=5) / 8
     pages, size = shapes[0]
-    return {"provider": provider, "rows": rows, "defaults": chosen, "memcpy_8_threads_gbs": ceiling,
+    return {"provider": provider, "rows": rows, "defaults": chosen,
+            "memcpy_8_threads_gbs": float(np.median([c["gbps"] for c in ceilings])) / 8,
+            "memcpy_8_threads_runs_gbs": [c["gbps"] / 8 for c in ceilings], "memcpy_method": ceilings[-1]["method"],
             "against_ceiling": f"{pages}x{cli.format_size(size)} permuted", "rounds": rounds,
             "cores": len(os.sched_getaffinity(0))}
 
@@ -569,7 +712,8 @@ def _defaults_round(provider, domain, layout, shapes, transfers: int, warmup: in
     what the defaults picked."""
     from ..engine import Engine
     row = {"gbs": {}, "writes": {}}
-    with _api_peer(provider, domain, layout, max(n * size for n, size in shapes)) as (address, descriptor):
+    with _api_peer(provider, domain, layout, max(n * size for n, size in shapes)) as target:
+        address, descriptor = target["address"], target["descriptor"]
         nics, threads = layout or (None, None)
         with Engine(provider, domains=domain, nics=nics, threads=threads, timeout=timeout, gpu=False) as engine, \
                 _running_on(engine.housekeeping_cores):
@@ -595,24 +739,6 @@ def _defaults_round(provider, domain, layout, shapes, transfers: int, warmup: in
     return row
 
 
-@contextlib.contextmanager
-def _api_peer(provider, domain, layout, size: int):
-    """api_target in another process with ``layout`` ((nics, threads), None: defaults); yields its (address,
-    descriptor)."""
-    import subprocess
-    from .. import bootstrap
-    nics, threads = layout or ("-", "-")
-    target = subprocess.Popen([sys.executable, "-c", "from fabriclab.tools.bench import api_target; api_target()",
-                               provider or "-", domain or "-", str(nics), str(threads), str(size)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(target.stdout.readline())
-        yield tuple(bootstrap.unpack(bootstrap.exchange(port, b"bench")))
-    finally:
-        target.stdin.close()
-        target.wait(30)
-
-
 def format_defaults(result: dict) -> str:
     """The table of defaults_comparison: GB/s per layout and case, the defaults as % of the best layout per
     case, and the first shape's permuted case (64K pages) as % of the 8-thread memcpy ceiling."""
@@ -626,11 +752,20 @@ def format_defaults(result: dict) -> str:
     best = {c: max(r["gbs"][c] for r in result["rows"][1:] or result["rows"]) for c in cases}
     lines.append(f"{'defaults % of best':<{width}}  " + "  ".join(f"{defaults['gbs'][c] / best[c] * 100:>21.0f}%"
                                                                  for c in cases))
+    chosen = result["defaults"]
+    same = next((r for r in result["rows"][1:]
+                 if r["layout"] == f"nics={chosen.get('nics')} threads={chosen.get('threads')}"), None)
+    if same is not None:  # the same NIC slots, threads, groups and cores (tests/test_layout.py checks it)
+        lines.append(f"defaults against {same['layout']}, the same layout: " + ", ".join(
+            f"{c} x{defaults['gbs'][c] / same['gbs'][c]:.2f} {verdict(same['runs'][c], defaults['runs'][c])}"
+            for c in cases))
     permuted = result["against_ceiling"]
     ceiling = result["memcpy_8_threads_gbs"]
-    lines.append(f"memcpy ceiling (8 threads): {ceiling:.2f} GB/s; {permuted} with defaults "
-                 f"{defaults['gbs'][permuted] / ceiling * 100:.0f} % of it, best layout "
+    spread = result["memcpy_8_threads_runs_gbs"]
+    lines.append(f"memcpy ceiling (8 threads): {ceiling:.2f} GB/s ({min(spread):.1f}-{max(spread):.1f}); {permuted} "
+                 f"with defaults {defaults['gbs'][permuted] / ceiling * 100:.0f} % of it, best layout "
                  f"{best[permuted] / ceiling * 100:.0f} %")
+    lines.append(f"memcpy measured as: {result['memcpy_method']}, once a round")
     lines.append(f"medians of {result['rounds']} rounds, layouts taking turns; defaults here ({result['cores']} "
                  f"cores): {result['defaults'].get('repr', '')}")
     return "\n".join(lines)
@@ -656,6 +791,7 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
                    f"{r.memcpy_gbps:.2f} Gbps; {r.label or r.stage} with {cli.format_size(r.page_size)} pages ran at "
                    f"{r.ratio_to_memcpy * 100:.1f} % of it")
         print(ceiling)
+        print(f"  memcpy measured as: {r.memcpy_method}")
         if r.emulated_nics:
             print(f"  {r.emulated_nics} of {r.nics} NICs are emulated (endpoints sharing a domain)")
         if len(r.per_nic) > 1:
@@ -690,17 +826,8 @@ def main(args) -> int:
             print(json.dumps(result))
         return 0
     if args.api:
-        if args.rounds <= 0:
-            raise fi.UsageError(f"--rounds must be at least 1, got {args.rounds}")
         r = api_comparison(config, rounds=args.rounds)
-        print(f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {cli.format_size(r['page_size'])} pages: "
-              f"stage-15 path {r['raw_gbps']:.2f} Gbps, Engine.write_pages {r['api_gbps']:.2f} Gbps "
-              f"({r['ratio'] * 100:.1f} % of it); medians of {len(r['raw_runs'])} alternating runs "
-              f"(stage 15: {', '.join(f'{g:.1f}' for g in r['raw_runs'])}; Engine: "
-              f"{', '.join(f'{g:.1f}' for g in r['api_runs'])}); the calling thread ran on cores "
-              f"{','.join(map(str, r['caller_cores']))}")
-        print("Python cost per write_pages call: " + ", ".join(f"{n} page(s) {us:.1f} us"
-                                                              for n, us in r["us_per_call"].items()))
+        print(format_api(r))
         if args.json:
             print(json.dumps(r))
         return 0
