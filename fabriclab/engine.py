@@ -1224,8 +1224,9 @@ class _Service:
                     future.set_exception(TransferError("the engine was closed", buffer_safe=True))
             self.expectations.clear()
             self.retired_regions.clear()
-            # the reaper calls into the native engine too: one that did not stop keeps it alive
-            left = self.native.close() if not self.reaper.is_alive() else max(stranded, 1)
+            # the reaper calls into the native engine too: one that did not stop (this is not it) keeps it alive
+            reaper_running = self.reaper.is_alive() and threading.current_thread() is not self.reaper
+            left = max(stranded, 1) if reaper_running else self.native.close()
         if left:
             self.stranded = (unfinished, self.stager)
             _STRANDED_SERVICES.append(self)
