@@ -26,6 +26,9 @@ MAX_PAGES_PER_WRITE = 1 << (32 - lib.FL_IMM_VALUE_BITS)
 # (negative), and writes given up on that the provider may still be reading
 TRANSFER_FIELDS = lib.FL_TRANSFER_FIELDS
 WAIT_BATCH = 1024  # finished transfer ids one wait() hands back at most
+# Native engines that threads stuck inside a provider call still use (fl_service_stop left them
+# allocated): kept for the life of the process, with the arrays the C engine counts into.
+_STRANDED: list["NativeEngine"] = []
 
 _ROUTE_FIELDS = ("desc", "dest", "remote_base", "rkey")
 #: numpy's view of native/core.h's fl_route (one NIC slot's way to a peer's region), offsets taken from the
@@ -150,11 +153,18 @@ class NativeEngine:
                         "renewals": int(n.renewals)})
         return out
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Free the native engine (stopping its service first). Returns 0, or how many threads were stuck in it
+        (see :meth:`stop_service`): then it stays allocated, and so does what it points into, for the life
+        of the process."""
+        left = 0
         if self._ptr is not None and self._ptr != ffi.NULL:
             self._join_worker()
-            lib.fl_engine_free(self._ptr)
+            left = lib.fl_engine_free(self._ptr)
+            if left:
+                _STRANDED.append(self)
         self._ptr = None
+        return left
 
     # ------------------------------------------------------------------- the service (fabriclab.Engine)
 
@@ -289,6 +299,9 @@ class NativeEngine:
         :meth:`renew_nic`, on its own thread, before it posts anything submitted after this."""
         lib.fl_service_revive(self._ptr)
 
-    def stop_service(self) -> None:
-        """Stop the worker threads and join them; what they had not finished stays unfinished."""
-        lib.fl_service_stop(self._ptr)
+    def stop_service(self, timeout: float) -> int:
+        """Stop the worker threads and join them; what they had not finished stays unfinished. Waits at most
+        ``timeout`` seconds: returns 0, or how many threads were still inside the engine then (a worker stuck
+        in a provider call that never returns: shm spins for ever on a lock its killed peer held). Those are
+        left running at idle priority, and the native engine is then not freed while they are there."""
+        return lib.fl_service_stop(self._ptr, timeout)

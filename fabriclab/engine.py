@@ -52,6 +52,14 @@ TRANSFER_SLOTS = 1 << 16
 MAX_RENEWALS = 64  # fresh endpoints per NIC slot: a peer that keeps stalling them cannot exhaust file descriptors
 IMM_SLOTS = 1 << 12
 DEFAULT_STRIPE = 1 << 20
+# How long Engine.close waits for its worker threads to leave the native engine. A healthy worker leaves
+# within microseconds; one that has not by then is stuck inside a provider call (shm spins for ever on a
+# lock its peer held when it was killed), and waiting longer would not help.
+WORKER_EXIT_TIMEOUT = 5.0
+# Services closed while threads were stuck in their native engine: whatever those threads may still touch
+# (NICs, registrations, buffers of unfinished transfers, the staging pool) stays open for the life of the
+# process, since nobody can tell when, if ever, they let go of it.
+_STRANDED_SERVICES: list["_Service"] = []
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -828,7 +836,12 @@ class Engine:
     def close(self) -> None:
         """Stop the worker threads, fail what is still pending, and close every NIC. A transfer still in
         flight fails with ``buffer_safe=False``: once the engine is gone nobody can tell when its writes
-        stop reading the buffer (a shared-memory peer may still copy from it)."""
+        stop reading the buffer (a shared-memory peer may still copy from it).
+
+        Never blocks for long: a worker thread that has not stopped within WORKER_EXIT_TIMEOUT seconds is
+        stuck inside the provider (shm spins for ever on a lock its peer held when it was killed). It is
+        left running at idle priority, a warning says so (``stats()["stranded_threads"]`` counts it), and
+        the NICs, registrations and staging pool it may still touch stay open until the process exits."""
         self._finalizer.detach()
         self._service.close()
 
@@ -902,6 +915,8 @@ class _Service:
             self.native.start_service(self.threads, batch, fi_more, timeout, link_timeout, self.worker_cores,
                                       list(self.groups.of_slot))
         except BaseException:
+            if hasattr(self, "native"):
+                self.native.close()  # the C engine's memory (no worker runs: the service did not start)
             self.nics.close()
             raise
         self.av_entries: dict[tuple, int] = {}  # (our NIC slot, peer's raw address) -> fi_addr
@@ -1027,7 +1042,8 @@ class _Service:
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
                 "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
                 "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
-                "expectations": expecting, "per_nic": per_nic, "staging": self._staging_stats(), "closed": False}
+                "expectations": expecting, "per_nic": per_nic, "staging": self._staging_stats(), "closed": False,
+                "stranded_threads": 0}
 
     def _staging_stats(self) -> dict:
         """The staging pool: its size, and what went through it (zeros until a region is staged)."""
@@ -1090,14 +1106,20 @@ class _Service:
                 self.native.wake()
         taken = 0
         while taken < n:
-            taken += self.native.submit(request, tid, taken)
+            with self.lock:  # close() frees the native engine under this lock, once it is closed
+                if not self.closed:
+                    taken += self.native.submit(request, tid, taken)
             if taken < n:
-                if time.monotonic() > deadline or self.native.stopping:
-                    failure = TransferTimeout(f"the engine's queues stayed full; {n - taken} of {n} writes not queued",
+                if time.monotonic() > deadline or self.closed or self.native.stopping:
+                    why = "the engine was closed" if self.closed else "the engine's queues stayed full"
+                    failure = TransferTimeout(f"{why}; {n - taken} of {n} writes not queued",
                                               buffer_safe=taken == 0, safety=transfer._safety)
-                    transfer.set_exception(failure)
-                    # writes never handed over will never complete: the engine counts them as finished
-                    self.native.release_writes(tid, n - taken)
+                    with self.lock:
+                        if not self.closed:
+                            # writes never handed over will never complete: the engine counts them as finished
+                            self.native.release_writes(tid, n - taken)
+                    if not transfer.done():  # close() may have failed it already
+                        transfer.set_exception(failure)
                     raise failure
                 time.sleep(0.0002)
         return transfer
@@ -1189,10 +1211,12 @@ class _Service:
     def _shut_down(self) -> None:
         if self.stager is not None:
             self.stager.close()  # fails what it had not handed over; its chunks' writes are failed below
-        self.native.stop_service()
-        self.final_stats = {**self._snapshot_after_stop(), "closed": True}
+        stranded = self.native.stop_service(WORKER_EXIT_TIMEOUT)
+        self.final_stats = {**self._snapshot_after_stop(), "closed": True, "stranded_threads": stranded}
         fields = _native.TRANSFER_FIELDS
         with self.lock:
+            # a stuck worker may still read these transfers' buffers and routes: they stay alive with us
+            unfinished = list(self.in_use.values())
             for tid, (transfer, state, _) in self.in_use.items():
                 left, _, abandoned = (int(x) for x in self.transfers[fields * tid:fields * (tid + 1)])
                 safe = left <= 0 and abandoned <= 0
@@ -1207,7 +1231,18 @@ class _Service:
                     future.set_exception(TransferError("the engine was closed", buffer_safe=True))
             self.expectations.clear()
             self.retired_regions.clear()
-        self.native.close()
+            # the reaper calls into the native engine too: one that did not stop (this is not it) keeps it alive
+            reaper_running = self.reaper.is_alive() and threading.current_thread() is not self.reaper
+            left = max(stranded, 1) if reaper_running else self.native.close()
+        if left:
+            self.stranded = (unfinished, self.stager)
+            _STRANDED_SERVICES.append(self)
+            self.nics.keep_open()
+            logging.getLogger("fabriclab").warning(
+                "the engine closed with %d thread(s) that did not stop within %g s (stuck inside the %s provider: "
+                "shm spins for ever on a lock its peer held when it was killed): its NICs, registrations and "
+                "staging memory stay open until this process exits", left, WORKER_EXIT_TIMEOUT, self.provider)
+            return
         self.nics.close()
         if self.stager is not None:
             self.stager.pool.close()  # no NIC has it registered any more

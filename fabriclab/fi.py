@@ -680,6 +680,11 @@ class Resource:
         if first_error is not None:
             raise first_error
 
+    def keep_open(self) -> None:
+        """Leave this object open for the life of the process, even at interpreter exit (only its root's
+        finalizer closes anything then): as long as a reference to it lives, nothing closes it."""
+        self._finalizer.detach()
+
     def _release(self) -> None:
         """Drop Python-side references once the libfabric object is gone."""
 

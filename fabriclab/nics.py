@@ -112,6 +112,12 @@ class NicSet:
             fabric.close()
         self.fabrics.clear()
 
+    def keep_open(self) -> None:
+        """Never close these NICs, not even at interpreter exit: a thread stuck inside the provider may still
+        use them (closing shm's endpoints unmaps the peer region that thread spins on)."""
+        for fabric in self.fabrics:
+            fabric.keep_open()
+
     @property
     def closed(self) -> bool:
         return not self.fabrics

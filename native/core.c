@@ -54,9 +54,11 @@ fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity) {
     return NULL;
 }
 
-void fl_engine_free(fl_engine *e) {
-    if (!e) return;
-    fl_service_stop(e);
+int fl_engine_free(fl_engine *e) {
+    if (!e) return 0;
+    int left = fl_service_stop(e, FL_STOP_TIMEOUT_S);
+    if (!left) left = fl_service_release_stranded(e);
+    if (left) return left; /* threads stuck in the engine may still touch any of it: it stays allocated */
     engine_state *st = e->state;
     for (int i = 0; e->nics && i < e->nnics; i++) {
         free(e->nics[i].ring);
@@ -69,6 +71,7 @@ void fl_engine_free(fl_engine *e) {
     free(st);
     free(e->nics);
     free(e);
+    return 0;
 }
 
 int prepare_slots(fl_engine *e) {

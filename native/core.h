@@ -151,7 +151,9 @@ typedef struct fl_engine {
 } fl_engine;
 
 fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
-void fl_engine_free(fl_engine *e);
+/* Frees the engine (stopping its service first): 0, or how many threads were stuck in it, in which case
+ * it stays allocated (see fl_service_stop). */
+int fl_engine_free(fl_engine *e);
 uint64_t fl_now_ns(void);
 /* `writes` of a transfer will never be posted (its submission was given up): count them as finished. */
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);

@@ -86,6 +86,15 @@ typedef struct engine_state {
      * finished, and when the last of its abandoned writes is reported; it is reused only after Python
      * took it out), so DONE_CAPACITY entries always suffice */
     _Atomic int park_request[FL_MAX_THREADS], parked[FL_MAX_THREADS]; /* fl_worker_park */
+    /* Stopping (fl_service_stop). A worker clears its worker_running flag as the last thing it does; one
+     * still set at the stop's deadline is stuck inside a provider call (shm spins for ever on a lock that
+     * its killed peer held): it is detached, and everything it may touch stays allocated (stranded_threads:
+     * how many flags fl_engine_free still has to find cleared before it frees the engine). `callers`:
+     * threads inside fl_service_submit, _wait, _wake or fl_worker_park, which the stop waits for before it
+     * frees the inboxes and the finished queue; `closing`: set by the stop, after which they stay out. */
+    _Atomic int worker_running[FL_MAX_THREADS];
+    int stranded_threads;
+    _Atomic int callers, closing;
     pthread_mutex_t done_lock;
     pthread_cond_t done_cond;
     uint32_t *done_ids;
@@ -180,4 +189,6 @@ FL_INTERNAL int retry_after_revival(thread_ctx *t, int nic_index, const fl_op *o
 FL_INTERNAL void service_reroute(thread_ctx *t, const fl_op *failed);
 FL_INTERNAL void reroute_dead_paths(thread_ctx *t, int nic_index, int stalled);
 FL_INTERNAL void service_paths_down(thread_ctx *t, int nic_index);
+/* after a stop that left threads behind: free the service once they are gone (0), else how many remain */
+FL_INTERNAL int fl_service_release_stranded(fl_engine *e);
 #endif

@@ -271,7 +271,7 @@ typedef struct fl_engine {
     ...;
 } fl_engine;
 fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
-void fl_engine_free(fl_engine *e);
+int fl_engine_free(fl_engine *e);
 uint64_t fl_now_ns(void);
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
@@ -290,7 +290,7 @@ int fl_service_start(fl_engine *e, const fl_config *cfg);
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
 void fl_service_wake(fl_engine *e);
-void fl_service_stop(fl_engine *e);
+int fl_service_stop(fl_engine *e, double timeout_s);
 void fl_service_revive(fl_engine *e);
 int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep);
 int fl_worker_park(fl_engine *e, int nic, double timeout_s);

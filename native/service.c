@@ -177,9 +177,21 @@ static void park_if_asked(thread_ctx *t) {
     atomic_store_explicit(&st->parked[t->id], 0, memory_order_release);
 }
 
-int fl_worker_park(fl_engine *e, int nic, double timeout_s) {
-    engine_state *st = e->state;
-    int threads = st ? st->service_threads : 0;
+/* A thread enters one of the service's functions that touch what fl_service_stop frees: 0 (and it must
+ * not touch it) once the stop began. The stop sets `closing` and then waits for `callers` to drop to 0;
+ * a caller counts itself in and then reads `closing` (both sequentially consistent): one of them sees
+ * the other. */
+static int enter_service(engine_state *st) {
+    atomic_fetch_add(&st->callers, 1);
+    if (!atomic_load(&st->closing)) return 1;
+    atomic_fetch_sub(&st->callers, 1);
+    return 0;
+}
+
+static void leave_service(engine_state *st) { atomic_fetch_sub(&st->callers, 1); }
+
+static int park_worker(fl_engine *e, engine_state *st, int nic, double timeout_s) {
+    int threads = st->service_threads;
     if (threads <= 0 || nic < 0 || nic >= e->nnics) return 0;
     int w = e->nics[nic].group;
     uint64_t until = fl_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
@@ -193,6 +205,14 @@ int fl_worker_park(fl_engine *e, int nic, double timeout_s) {
         nanosleep(&pause, NULL);
     }
     return 1;
+}
+
+int fl_worker_park(fl_engine *e, int nic, double timeout_s) {
+    engine_state *st = e->state;
+    if (!st || !enter_service(st)) return 0;
+    int parked = park_worker(e, st, nic, timeout_s);
+    leave_service(st);
+    return parked;
 }
 
 void fl_worker_unpark(fl_engine *e, int nic) {
@@ -289,8 +309,7 @@ static int drain_inbox(thread_ctx *t, uint32_t budget) {
     return (int)moved;
 }
 
-static void *service_thread(void *arg) {
-    thread_ctx *t = arg;
+static void service_loop(thread_ctx *t) {
     fl_engine *e = t->e;
     const fl_config *cfg = t->cfg;
     const group *mine = t->groups; /* the NICs this worker owns (fl_nic.group == its id) */
@@ -319,11 +338,11 @@ static void *service_thread(void *arg) {
         for (int i = 0; i < mine->nnics; i++) {
             int k = mine->nics[i];
             int got = poll_nic(t, k);
-            if (got < 0) return NULL;
+            if (got < 0) return;
             busy |= got;
             if (t->st->nics[k].held_len) release_held(t, k);
             /* lazy posting: the queue was just drained, so this is when there is room */
-            if (progress_pending(t, k) < 0) return NULL;
+            if (progress_pending(t, k) < 0) return;
             outstanding += e->nics[k].in_flight + (e->nics[k].ring_tail - e->nics[k].ring_head) +
                            t->st->nics[k].held_len;
         }
@@ -341,12 +360,20 @@ static void *service_thread(void *arg) {
             resting = now - quiet_since > 10000000ull;
         }
     }
+}
+
+static void *service_thread(void *arg) {
+    thread_ctx *t = arg;
+    service_loop(t);
+    /* the last touch of the engine: from here on fl_service_stop and fl_engine_free may free it */
+    atomic_store_explicit(&t->st->worker_running[t->id], 0, memory_order_release);
     return NULL;
 }
 
-/* Join the workers that started and free what fl_service_start allocated (for `boxes` inboxes). */
-static void service_release(engine_state *st, int started, int boxes) {
-    for (int w = 0; w < started; w++) pthread_join(st->service_tids[w], NULL);
+/* Join the workers that started (`joined` of them: those fl_service_stop did not join or detach) and free
+ * what fl_service_start allocated (for `boxes` inboxes). */
+static void service_release(engine_state *st, int joined, int boxes) {
+    for (int w = 0; w < joined; w++) pthread_join(st->service_tids[w], NULL);
     for (int w = 0; w < boxes; w++) {
         free(st->inboxes[w].ops);
         st->inboxes[w].ops = NULL;
@@ -366,6 +393,10 @@ static void service_release(engine_state *st, int started, int boxes) {
 
 int fl_service_start(fl_engine *e, const fl_config *cfg) {
     engine_state *st = e->state;
+    if (st->service_threads > 0 || st->stranded_threads) {
+        snprintf(e->error, FL_ERROR_LEN, "the service was started before (start it once per engine)");
+        return e->error_code = -FI_EBUSY;
+    }
     if (cfg->threads <= 0 || cfg->threads > FL_MAX_THREADS || cfg->threads > e->nnics || cfg->batch <= 0 ||
         !e->transfers || !e->transfer_capacity) {
         snprintf(e->error, FL_ERROR_LEN, "invalid service configuration");
@@ -388,6 +419,7 @@ int fl_service_start(fl_engine *e, const fl_config *cfg) {
     pthread_cond_init(&st->done_cond, NULL);
     st->done_head = st->done_tail = 0;
     st->woken = 0;
+    atomic_store(&st->closing, 0);
     int boxes = 0;
     for (; st->service_ctx && owned && st->done_ids && boxes < cfg->threads; boxes++) {
         inbox *box = &st->inboxes[boxes];
@@ -408,9 +440,11 @@ int fl_service_start(fl_engine *e, const fl_config *cfg) {
         return e->error_code = -FI_ENOMEM;
     }
     for (int w = 0; w < cfg->threads; w++) {
+        atomic_store(&st->worker_running[w], 1);
         rc = pthread_create(&st->service_tids[w], NULL, service_thread, &st->service_ctx[w]);
         if (rc) {
-            fail(e, -rc, "cannot start service thread %d: %s", w, strerror(rc));
+            atomic_store(&st->worker_running[w], 0);
+            fail(e, -rc, "cannot start service thread %d: %s", w, strerror(rc)); /* stops those started */
             service_release(st, w, boxes);
             return e->error_code;
         }
@@ -419,7 +453,17 @@ int fl_service_start(fl_engine *e, const fl_config *cfg) {
     return 0;
 }
 
+static uint64_t submit_writes(fl_engine *e, const fl_request *r, uint64_t start);
+
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start) {
+    engine_state *st = e->state;
+    if (!enter_service(st)) return 0;
+    uint64_t taken = submit_writes(e, r, start);
+    leave_service(st);
+    return taken;
+}
+
+static uint64_t submit_writes(fl_engine *e, const fl_request *r, uint64_t start) {
     engine_state *st = e->state;
     int threads = st->service_threads;
     uint32_t span = r->nic_order ? r->nic_count : (uint32_t)e->nnics;
@@ -458,7 +502,11 @@ uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start) {
 
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s) {
     engine_state *st = e->state;
-    if (!st->done_ids) return 0;
+    if (!enter_service(st)) return 0;
+    if (!st->done_ids) {
+        leave_service(st);
+        return 0;
+    }
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     uint64_t ns = (uint64_t)until.tv_nsec + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
@@ -471,16 +519,72 @@ int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s) {
     while (got < max && st->done_head != st->done_tail) ids[got++] = st->done_ids[st->done_head++ % DONE_CAPACITY(e)];
     st->woken = 0;
     pthread_mutex_unlock(&st->done_lock);
+    leave_service(st);
     return got;
 }
 
 void fl_service_wake(fl_engine *e) {
-    if (((engine_state *)e->state)->done_ids) notify(e, FL_NO_TRANSFER);
+    engine_state *st = e->state;
+    if (!enter_service(st)) return;
+    if (st->done_ids) notify(e, FL_NO_TRANSFER);
+    leave_service(st);
 }
 
-void fl_service_stop(fl_engine *e) {
+/* Whether a stopped service's workers and callers are all gone (`threads` workers had run). */
+static int service_quiet(engine_state *st, int threads) {
+    if (atomic_load(&st->callers) > 0) return 0;
+    for (int w = 0; w < threads; w++)
+        if (atomic_load_explicit(&st->worker_running[w], memory_order_acquire)) return 0;
+    return 1;
+}
+
+static int threads_left(engine_state *st, int threads) {
+    int left = atomic_load(&st->callers);
+    for (int w = 0; w < threads; w++) left += atomic_load_explicit(&st->worker_running[w], memory_order_acquire);
+    return left;
+}
+
+int fl_service_stop(fl_engine *e, double timeout_s) {
     engine_state *st = e->state;
-    if (!st || st->service_threads <= 0) return;
-    __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
-    service_release(st, st->service_threads, st->service_threads);
+    if (!st) return 0;
+    if (st->stranded_threads) return threads_left(st, st->stranded_threads);
+    int threads = st->service_threads;
+    if (threads <= 0) return 0;
+    __atomic_store_n(&e->stop, 1, __ATOMIC_SEQ_CST);
+    atomic_store(&st->closing, 1);
+    notify(e, FL_NO_TRANSFER); /* a caller waiting in fl_service_wait leaves now */
+    uint64_t until = fl_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
+    struct timespec pause = {0, 100000};
+    while (!service_quiet(st, threads) && fl_now_ns() < until) nanosleep(&pause, NULL);
+    if (service_quiet(st, threads)) {
+        service_release(st, threads, threads);
+        return 0;
+    }
+    /* Someone is stuck (a worker inside a provider call that never returns): join those that left, detach
+     * the others at the lowest priority (a provider spinning on a lock burns only idle time), and free
+     * nothing: fl_engine_free frees it all once they are gone, if ever. */
+    for (int w = 0; w < threads; w++) {
+        if (!atomic_load_explicit(&st->worker_running[w], memory_order_acquire)) {
+            pthread_join(st->service_tids[w], NULL);
+            continue;
+        }
+        struct sched_param idle = {0};
+        pthread_setschedparam(st->service_tids[w], SCHED_IDLE, &idle);
+        pthread_detach(st->service_tids[w]);
+    }
+    st->stranded_threads = threads;
+    st->service_threads = 0;
+    int left = threads_left(st, threads);
+    snprintf(e->error, FL_ERROR_LEN, "%d thread(s) did not leave the engine within %.1f s of the stop (stuck in a "
+             "provider call?): the engine stays allocated", left, timeout_s);
+    return left;
+}
+
+int fl_service_release_stranded(fl_engine *e) {
+    engine_state *st = e->state;
+    if (!st || !st->stranded_threads) return 0;
+    if (!service_quiet(st, st->stranded_threads)) return threads_left(st, st->stranded_threads);
+    service_release(st, 0, st->stranded_threads);
+    st->stranded_threads = 0;
+    return 0;
 }

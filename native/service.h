@@ -35,7 +35,13 @@ uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
  * immediate data arrives while e->imm_watch is set. Call without holding Python's GIL. */
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
 void fl_service_wake(fl_engine *e);
-void fl_service_stop(fl_engine *e);
+/* Stop the workers and wait up to timeout_s for them, and for callers of fl_service_submit, _wait, _wake
+ * and fl_worker_park, to leave; then free what fl_service_start allocated. Returns 0, or how many threads
+ * were still inside (a worker stuck in a provider call that never returns: shm spins for ever on a lock
+ * that its killed peer held): those workers are detached at idle priority, nothing they may touch is
+ * freed, and fl_engine_free leaves the whole engine allocated as long as they are there. */
+int fl_service_stop(fl_engine *e, double timeout_s);
+#define FL_STOP_TIMEOUT_S 5.0 /* fl_engine_free's stop, when the caller did not stop the service first */
 /* Revival (Engine.connect): every worker forgets the paths it had marked dead and swaps in the fresh
  * endpoints handed over with fl_nic_renew, on its own thread, before it posts anything else. */
 void fl_service_revive(fl_engine *e);

@@ -2,6 +2,7 @@
 several writer engines into one target, a stopped target, a closed engine mid-transfer, bad arguments,
 blocking callbacks, fork, dropped engines. Processes, signals and faults are real."""
 import gc
+import json
 import math
 import os
 import signal
@@ -267,3 +268,29 @@ def test_malformed_inputs_get_typed_errors():
     assert a.stats()["closed"]  # the last snapshot, not an AttributeError
     src.close()  # after the engine closed: nothing to do
 
+
+
+KILLED_PEER_WRITER = os.path.join(os.path.dirname(__file__), "killed_peer_writer.py")
+
+
+@pytest.mark.parametrize("submitters, mode", [(1, "wait"), (3, "close")], ids=["wait-then-close", "close-in-flight"])
+def test_close_never_blocks_after_the_peer_is_killed_mid_transfer(fabric, submitters, mode):
+    """Large transfers queued, the peer SIGKILLed 50 ms in, then Engine.close(): it returns within its
+    worker deadline even when a worker is stuck inside the provider (shm spins for ever on a lock its
+    killed peer held), every transfer fails typed, and a transfer whose write may still be inside the
+    provider never claims its buffer safe. In a process of its own: a stuck worker ends only with it."""
+    proc = subprocess.run([sys.executable, KILLED_PEER_WRITER, fabric[0], fabric[1] or "-", "256",
+                           "2", str(submitters), mode], capture_output=True, text=True, timeout=150,
+                          cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(report["close_s"], report["stranded"], report["outcomes"])
+    assert report["close_s"] < report["exit_timeout"] + 5
+    assert report["submitters_alive"] == 0
+    outcomes = report["outcomes"]
+    assert len(outcomes) == 2 * submitters
+    assert all(kind in ("ok", "PeerLost", "TransferTimeout", "TransferError") for kind, _ in outcomes), outcomes
+    assert any(kind != "ok" for kind, _ in outcomes), "1 GiB into a killed peer all reported landed"
+    if report["stranded"]:
+        # the stuck worker is inside a write of some unfinished transfer: that one cannot be safe
+        assert not all(safe for kind, safe in outcomes if kind != "ok"), outcomes

@@ -1,0 +1,66 @@
+"""A writer process for the killed-peer tests: queues large transfers into tests/api_peer.py, kills that
+peer mid-transfer, then closes its Engine, and prints one JSON line saying how it went. It runs apart from
+pytest because a provider may leave a worker thread spinning for ever (shm on a lock its killed peer held),
+and only the end of the process ends such a thread.
+
+    python tests/killed_peer_writer.py PROVIDER DOMAIN PAGES TRANSFERS SUBMITTERS wait|close
+PAGES pages of 1 MiB per transfer, TRANSFERS transfers from each of SUBMITTERS threads; "wait" waits for
+every transfer before closing, "close" closes while they are in flight. Prints {"close_s", "stranded",
+"outcomes": [[type, buffer_safe], ...] ("ok" for a success), "exit_timeout"}."""
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+
+from fabriclab import Engine, TransferError, engine as engine_module
+from test_api import PeerProcess
+
+MiB = 1 << 20
+provider, domain, pages, transfers, submitters, mode = sys.argv[1:7]
+pages, transfers, submitters = int(pages), int(transfers), int(submitters)
+
+peer_proc = PeerProcess((provider, None if domain == "-" else domain), pages * MiB)
+engine = Engine(provider, domains=None if domain == "-" else domain, pin=False, timeout=6, link_timeout=1,
+                gpu=False)
+region = engine.register(np.full(pages * MiB, 7, np.uint8))
+peer = engine.connect(peer_proc.address)
+futures, refused = [], []
+
+
+def submit():
+    for _ in range(transfers):
+        try:
+            futures.append(peer.write_pages(region, np.arange(pages), peer_proc.descriptor, np.arange(pages), MiB,
+                                            imm=3))
+        except TransferError as exc:  # refused while queueing (the engine closed meanwhile): typed too
+            refused.append(exc)
+
+
+threads = [threading.Thread(target=submit) for _ in range(submitters)]
+for t in threads:
+    t.start()
+time.sleep(0.05)
+peer_proc.kill()
+if mode == "wait":
+    for t in threads:
+        t.join()
+    for future in futures:
+        try:
+            future.result(30)
+        except TransferError:
+            pass
+started = time.monotonic()
+engine.close()
+close_s = time.monotonic() - started
+for t in threads:
+    t.join(30)
+outcomes = []
+for future in futures:
+    error = future.exception(30)
+    outcomes.append(["ok", True] if error is None else [type(error).__name__, error.buffer_safe])
+outcomes += [[type(e).__name__, e.buffer_safe] for e in refused]
+print(json.dumps({"close_s": close_s, "stranded": engine.stats()["stranded_threads"], "outcomes": outcomes,
+                  "exit_timeout": engine_module.WORKER_EXIT_TIMEOUT,
+                  "submitters_alive": sum(t.is_alive() for t in threads)}), flush=True)
