@@ -733,8 +733,11 @@ class Engine:
     pinned host memory chunk by chunk on CUDA streams, each chunk written as soon as it is copied.
     ``staging_bytes`` (default 64 MiB) bounds the pinned pool of the engine, allocated at the first staged
     region; ``staging_chunk_bytes`` (default 4 MiB) is one copy's size, and the largest page or stripe a
-    staged transfer can carry. A transfer larger than the pool streams through it. ``stats()["staging"]``
-    counts staged bytes and copy time.
+    staged transfer can carry. A transfer larger than the pool streams through it. A staged region is a
+    target too (``fabriclab.landing``): its descriptor names a second pool of the same sizes, the *landing
+    lanes* (one lane per chunk, at most 255), allocated at its first descriptor; peers' writes land there
+    and are copied to the GPU before ``expect`` counts them and before the writer's transfer completes.
+    ``stats()["staging"]`` counts staged and landed bytes and copy times.
 
     Pinned workers poll their NICs without rest, so keep your own busy threads off their cores:
     ``os.sched_setaffinity(0, engine.housekeeping_cores)`` (the engine's own reaper thread runs there).
@@ -816,7 +819,8 @@ class Engine:
         """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch, numba:
         through ``__cuda_array_interface__``), DLPack tensor or capsule (host or CUDA) with every NIC. A
         read-only buffer can be written from but not into. ``Region.path`` says how: "host",
-        "cuda-direct" (FI_HMEM) or "cuda-staged" (through the staging pool: a source of writes only)."""
+        "cuda-direct" (FI_HMEM) or "cuda-staged" (through the staging pool as a source, the landing lanes as a
+        target)."""
         self._service.check_open()
         region = Region(self, buffer)
         if region.staged and self._pool_region is None:
