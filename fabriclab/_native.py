@@ -22,6 +22,15 @@ NO_IMM = lib.FL_NO_IMM  # the immediate data of a write whose caller gave none (
 # moves (minus one), so a coalesced write counts as its pages at the target: at most MAX_PAGES_PER_WRITE.
 MAX_IMM = (1 << lib.FL_IMM_VALUE_BITS) - 2
 MAX_PAGES_PER_WRITE = 1 << (32 - lib.FL_IMM_VALUE_BITS)
+# Writes into a staged target's landing lane carry LANDING_VALUE in the value bits (never a caller's) and the
+# lane above them; the target counts each lane on its own (fabriclab.landing). Lane MAX_LANES would be NO_IMM.
+LANDING_VALUE = lib.FL_LANDING_VALUE
+MAX_LANES = (NO_IMM >> lib.FL_IMM_VALUE_BITS)
+
+
+def lane_imm(lane: int) -> int:
+    """The immediate data of writes into landing lane ``lane``."""
+    return (lane << lib.FL_IMM_VALUE_BITS) | LANDING_VALUE
 # per transfer id, in the array attach_transfers returns: writes still to finish, the first error
 # (negative), and writes given up on that the provider may still be reading
 TRANSFER_FIELDS = lib.FL_TRANSFER_FIELDS
@@ -263,6 +272,15 @@ class NativeEngine:
     def take_immediates(self, imm: int, count: int) -> bool:
         """If at least ``count`` writes carrying ``imm`` have arrived, consume ``count`` of them: True."""
         return bool(lib.fl_imm_take(self._ptr, imm, count))
+
+    def credit_immediates(self, imm: int, count: int) -> None:
+        """Count ``count`` more arrivals of ``imm`` (pages a staged target has copied to their place)."""
+        if not lib.fl_imm_credit(self._ptr, imm, count):
+            raise fi.UsageError(f"the table of awaited immediate data is full: imm {imm} cannot be counted")
+
+    def drain_immediates(self, imm: int) -> int:
+        """Consume every arrival of ``imm`` counted so far; how many there were."""
+        return int(lib.fl_imm_drain(self._ptr, imm))
 
     @property
     def stopping(self) -> bool:

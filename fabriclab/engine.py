@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _native, fi, memory, shmclean, staging
+from . import _native, fi, landing, memory, shmclean, staging
 from .nics import (NicSet, NicSlot, default_layout, discover_topology, group_nics, host_identity, same_host_path,
                    topology_groups_holding, unique_registrations, worker_cores)
 
@@ -124,8 +124,14 @@ class StagingFailed(TransferError):
     read the staging pool only, never the region."""
 
 
-def _staging_failure(message: str, safe: bool, why: str) -> TransferError:
-    """The exception of a staged transfer that failed before its writes did (see staging.FAILURES)."""
+def _staging_failure(message: str, safe: bool, why: str, cause: BaseException | None = None) -> TransferError:
+    """The exception of a staged transfer that failed (why: see staging.FAILURES, or "peer" where a staged
+    target's control endpoint cannot be reached). ``cause``, the failure of one of its writes, gives its
+    type, with the buffer safety of the whole transfer."""
+    if isinstance(cause, TransferError) and type(cause).__init__ is TransferError.__init__:
+        return type(cause)(message.split(" (local buffer ")[0], buffer_safe=safe)
+    if why == "peer":
+        return PeerLost(message, buffer_safe=safe)
     if why == "closed":
         return RegionClosed(message, buffer_safe=safe)
     if why == "timeout":
@@ -289,7 +295,7 @@ class Transfer(_AwaitableFuture):
 
 # ------------------------------------------------------------------------------------------ wiring
 
-_ADDRESS_MAGIC, _REGION_MAGIC = b"FLEN", b"FLRG"
+_ADDRESS_MAGIC, _REGION_MAGIC, _LANDING_MAGIC = b"FLEN", b"FLRG", b"FLRL"  # engine, region, staged target
 
 
 def _seal(body: bytes) -> bytes:
@@ -400,7 +406,7 @@ class Region:
 
     _ids = itertools.count(1)
 
-    def __init__(self, engine: "Engine", obj, staged_ok: bool = True):
+    def __init__(self, engine: "Engine", obj, staged_host: bool = False):
         kind, pointer, length, device, keep, readonly = _buffer_view(obj)
         if kind == "cuda":
             device = _cuda_device(pointer, length, device)
@@ -412,11 +418,14 @@ class Region:
         self._keep = keep
         self.path, self.why = "host" if kind == "host" else "cuda-direct", ""
         access = fi.ACCESS_SOURCE if readonly else fi.ACCESS_ALL  # read-only: a source only
-        try:
-            registrations = engine._service.nics.register(view, access=access, stage=False)
-        except memory.DirectUnavailable as exc:
-            # no FI_HMEM: the region stays unregistered; its transfers stream through the staging pool
-            registrations, self.path, self.why = [], "cuda-staged", str(exc)
+        if staged_host:  # Engine._register_staged_host: a staged target in host memory, for tests
+            registrations, self.path, self.why = [], "host-staged", "host memory staged on purpose (tests)"
+        else:
+            try:
+                registrations = engine._service.nics.register(view, access=access, stage=False)
+            except memory.DirectUnavailable as exc:
+                # no FI_HMEM: the region stays unregistered; its transfers stream through the staging pool
+                registrations, self.path, self.why = [], "cuda-staged", str(exc)
         self._state = _RegionState(registrations)
         self.descs = _native.route_descriptors(registrations)
         self._descs = np.asarray(self.descs, dtype=np.uint64)
@@ -435,6 +444,11 @@ class Region:
         return self.path == "cuda-staged"
 
     @property
+    def lands(self) -> bool:
+        """Whether peers' writes into this region land in the engine's landing lanes first (staged target)."""
+        return self.path in ("cuda-staged", "host-staged")
+
+    @property
     def registrations(self):
         """The region's registration with each NIC slot (one per domain, shared by its slots; none when
         staged)."""
@@ -451,10 +465,8 @@ class Region:
         if self.readonly:
             raise fi.UsageError(f"region {self.id} is read-only: it can be a source of writes, but peers cannot "
                                 "write into it, so it has no descriptor; register a writable buffer")
-        if self.staged:
-            raise fi.UsageError(f"region {self.id} is GPU memory the provider ({self.engine.provider}) cannot register "
-                                f"({self.why}): it is staged, and can be a source of writes, not a target; on this "
-                                "provider peers write into host memory (copy it to the GPU after expect())")
+        if self.lands:
+            return self.engine._landing_descriptor(self)
         body = _REGION_MAGIC + struct.pack("<QIQH", self.engine.id, self.id, self.length, len(self.keys))
         body += b"".join(struct.pack("<QQ", b, k) for b, k in zip(self.bases, self.keys))
         return _seal(body)
@@ -471,6 +483,8 @@ class Region:
             return
         timeout = fi.seconds(timeout, "timeout", self.engine.timeout)
         self._state.closed = True
+        if self.lands and self.engine._service.landing is not None:
+            self.engine._service.landing.remove_region(self.id)  # later pages for it are refused
         self.engine._service.close_region(self._state, timeout)
 
     def __enter__(self):
@@ -498,24 +512,50 @@ def _cuda_device(pointer: int, length: int, claimed: int | None) -> int:
 
 
 @dataclass(frozen=True)
+class LandingRoute:
+    """How to write into a peer's staged target: its landing lanes (a region of their own), a lane's size,
+    the largest control message it takes, and its control endpoint's address (fabriclab.landing)."""
+    lanes: "RemoteRegion"
+    lane_bytes: int
+    message_bytes: int
+    address: bytes
+
+
+_LANDING_TAIL = struct.Struct("<IQIIH")  # lanes' region id, their length, lane bytes, message bytes, address length
+
+
+@dataclass(frozen=True)
 class RemoteRegion:
     engine_id: int
     region_id: int
     length: int
     bases: tuple
     keys: tuple
+    landing: LandingRoute | None = None  # a staged target: the bases and keys are its landing lanes'
 
     @classmethod
     def parse(cls, descriptor) -> "RemoteRegion":
-        body = _unseal(descriptor, _REGION_MAGIC, "region descriptor")
+        staged = isinstance(descriptor, (bytes, bytearray, memoryview)) and bytes(descriptor[:4]) == _LANDING_MAGIC
+        body = _unseal(descriptor, _LANDING_MAGIC if staged else _REGION_MAGIC, "region descriptor")
         head = struct.calcsize("<QIQH")
         if len(body) < 4 + head:
             raise InvalidDescriptor("region descriptor is truncated")
         engine_id, region_id, length, n = struct.unpack_from("<QIQH", body, 4)
-        if len(body) != 4 + head + 16 * n or n == 0:
+        end = 4 + head + 16 * n
+        tail = body[end:]
+        if n == 0 or len(body) < end or (tail if not staged else len(tail) < _LANDING_TAIL.size):
             raise InvalidDescriptor("region descriptor is truncated or has a wrong NIC count")
         pairs = [struct.unpack_from("<QQ", body, 4 + head + 16 * i) for i in range(n)]
-        return cls(engine_id, region_id, length, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs))
+        bases, keys = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
+        route = None
+        if staged:
+            lanes_id, lanes_length, lane_bytes, message_bytes, size = _LANDING_TAIL.unpack_from(tail)
+            address = tail[_LANDING_TAIL.size:]
+            if len(address) != size or not lane_bytes or message_bytes < 64:
+                raise InvalidDescriptor("staged region descriptor is truncated or malformed")
+            route = LandingRoute(cls(engine_id, lanes_id, lanes_length, bases, keys), lane_bytes, message_bytes,
+                                 address)
+        return cls(engine_id, region_id, length, bases, keys, route)
 
 
 # ------------------------------------------------------------------------------------------- peers
@@ -662,8 +702,8 @@ class Peer:
                 raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
                                  f"{side} region")
         service = self.engine._service
-        # a staged region's writes leave from pool chunks, one per page asked for: no runs to join there
-        most = 1 if local_region.staged else service.pages_per_write(src.size, page_size)
+        # a staged region's writes leave from pool chunks, and land in lanes, one per page: no runs to join
+        most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
         src, dst, runs = coalesce_pages(src, dst, most)
         lengths = runs * np.uint64(page_size)
         if lengths.min() == lengths.max():  # one length for every write (a permuted list: one page each)
@@ -708,8 +748,11 @@ class Engine:
     pinned host memory chunk by chunk on CUDA streams, each chunk written as soon as it is copied.
     ``staging_bytes`` (default 64 MiB) bounds the pinned pool of the engine, allocated at the first staged
     region; ``staging_chunk_bytes`` (default 4 MiB) is one copy's size, and the largest page or stripe a
-    staged transfer can carry. A transfer larger than the pool streams through it. ``stats()["staging"]``
-    counts staged bytes and copy time.
+    staged transfer can carry. A transfer larger than the pool streams through it. A staged region is a
+    target too (``fabriclab.landing``): its descriptor names a second pool of the same sizes, the *landing
+    lanes* (one lane per chunk, at most 255), allocated at its first descriptor; peers' writes land there
+    and are copied to the GPU before ``expect`` counts them and before the writer's transfer completes.
+    ``stats()["staging"]`` counts staged and landed bytes and copy times.
 
     Pinned workers poll their NICs without rest, so keep your own busy threads off their cores:
     ``os.sched_setaffinity(0, engine.housekeeping_cores)`` (the engine's own reaper thread runs there).
@@ -736,7 +779,9 @@ class Engine:
         staging.pool_layout(pool, chunk)  # refuse a pool that cannot stream before opening any NIC
         self._service = _Service(provider, domains, pin, bool(fi_more), self.timeout, gpu, link_timeout, **options)
         self._service.staging_sizes = (pool, chunk)
+        self._service.engine_id = self.id
         self._pool_region: Region | None = None  # the staging pool, registered at the first staged region
+        self._lanes_region: Region | None = None  # the landing lanes, registered at the first staged target
         # the finalizer holds the service, never the engine: a dropped engine is collected, then closed
         self._finalizer = weakref.finalize(self, _Service.close_collected, self._service)
 
@@ -789,7 +834,8 @@ class Engine:
         """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch, numba:
         through ``__cuda_array_interface__``), DLPack tensor or capsule (host or CUDA) with every NIC. A
         read-only buffer can be written from but not into. ``Region.path`` says how: "host",
-        "cuda-direct" (FI_HMEM) or "cuda-staged" (through the staging pool: a source of writes only)."""
+        "cuda-direct" (FI_HMEM) or "cuda-staged" (through the staging pool as a source, the landing lanes as a
+        target)."""
         self._service.check_open()
         region = Region(self, buffer)
         if region.staged and self._pool_region is None:
@@ -799,6 +845,38 @@ class Engine:
                 region.close()
                 raise
         return region
+
+    def _register_staged_host(self, buffer) -> Region:
+        """Private, for tests: register host memory as a staged *target* (``path == "host-staged"``), landing
+        through the lanes and copied into place with memmove: the protocol of staged GPU targets, run
+        where there is no GPU. Not a source of writes."""
+        self._service.check_open()
+        return Region(self, buffer, staged_host=True)
+
+    def _landing_descriptor(self, region: Region) -> bytes:
+        """The descriptor of a staged target: the landing lanes' bases and keys, a lane's size, and the
+        control endpoint. Opens the lanes (and the landing thread) at the first staged target."""
+        service = self._service
+        landing_ = service.start_landing()
+        with service.lock:
+            if self._lanes_region is None:
+                lanes, pool_bytes = landing.max_lanes(*service.staging_sizes)
+                pool = staging.PinnedPool(pool_bytes, service.staging_sizes[1], pinned=region.kind == "cuda")
+                try:
+                    self._lanes_region = Region(self, pool.array)
+                except BaseException:
+                    pool.close()
+                    raise
+                landing_.open_lanes(pool)
+        landing_.add_region(landing.TargetRegion(region.id, region.kind, region.address, region.length,
+                                                 region._state))
+        lanes = self._lanes_region
+        body = _LANDING_MAGIC + struct.pack("<QIQH", self.id, region.id, region.length, len(lanes.keys))
+        body += b"".join(struct.pack("<QQ", b, k) for b, k in zip(lanes.bases, lanes.keys))
+        address = landing_.address
+        body += _LANDING_TAIL.pack(lanes.id, lanes.length, landing_.pool.chunk_bytes,
+                                   landing_.channel.message_bytes, len(address)) + address
+        return _seal(body)
 
     def connect(self, address) -> Peer:
         """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world. Paths to
@@ -938,6 +1016,8 @@ class _Service:
         # The workers poll without rest; any other busy thread landing on their cores stalls a NIC.
         self.housekeeping_cores = frozenset(os.sched_getaffinity(0)) - frozenset(self.worker_cores)
         self.stager: staging.Stager | None = None  # started at the first staged region
+        self.landing: landing.Landing | None = None  # started at the first staged target, or write into one
+        self.engine_id = 0  # the Engine's id (what its peers know it by), set by the Engine
         self.staging_sizes = (staging.DEFAULT_STAGING_BYTES, staging.DEFAULT_CHUNK_BYTES)
         self.reaper = threading.Thread(target=self._reap, name="fabriclab-engine-reaper", daemon=True)
         self.reaper.start()
@@ -1046,12 +1126,19 @@ class _Service:
                 "stranded_threads": 0}
 
     def _staging_stats(self) -> dict:
-        """The staging pool: its size, and what went through it (zeros until a region is staged)."""
+        """The staging pool and the landing lanes: their sizes, and what went through them (zeros until a
+        region is staged, or a staged target written into)."""
         if self.stager is not None:
-            return self.stager.stats()
-        _, pool = staging.pool_layout(*self.staging_sizes)
-        return {"pool_bytes": pool, "chunk_bytes": self.staging_sizes[1], "allocated": False, "staged_bytes": 0,
-                "staged_chunks": 0, "copy_seconds": 0.0, "jobs_waiting": 0}
+            stats = self.stager.stats()
+        else:
+            _, pool = staging.pool_layout(*self.staging_sizes)
+            stats = {"pool_bytes": pool, "chunk_bytes": self.staging_sizes[1], "allocated": False,
+                     "staged_bytes": 0, "staged_chunks": 0, "copy_seconds": 0.0, "jobs_waiting": 0}
+        lanes, pool = landing.max_lanes(*self.staging_sizes)
+        landed = self.landing.stats() if self.landing is not None else {
+            "landed_bytes": 0, "landed_lanes": 0, "landing_copy_seconds": 0.0, "landing_jobs": 0}
+        return {**stats, "landing_pool_bytes": pool, "lanes": lanes,
+                "landing_allocated": self.landing is not None and self.landing.pool is not None, **landed}
 
     def pages_per_write(self, pages: int, page_size: int) -> int:
         """The most pages one write of a transfer of ``pages`` pages may carry: enough writes that every
@@ -1076,8 +1163,18 @@ class _Service:
             raise fi.UsageError("that region was registered with another engine")
         imm = _native.NO_IMM if imm is None else _integer(imm, "imm", 0, _native.MAX_IMM)
         timeout = fi.seconds(timeout, "timeout", self.timeout)
+        if region.path == "host-staged":
+            raise fi.UsageError(f"region {region.id} is host memory staged on purpose (a test switch): a target only")
+        if remote.landing is not None:
+            return self._submit_landing(peer, region, remote, src, dst, stride, lengths, imm, timeout)
         if region.staged:
             return self._submit_staged(peer, region, remote, src, dst, stride, lengths, imm, timeout)
+        return self._post(peer, region, remote, src, dst, stride, lengths, imm, timeout, pages)
+
+    def _post(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths, imm: int,
+              timeout: float, pages: int | None = None) -> Transfer:
+        """:meth:`submit` of a region registered with the NICs, its input checked: ``imm`` as it goes on the
+        wire (NO_IMM, a caller's value, or a landing lane's)."""
         n = src.size
         uniform = np.isscalar(lengths)
         nbytes = n * lengths if uniform else int(lengths.sum())
@@ -1149,9 +1246,9 @@ class _Service:
             state.in_use += 1
 
         def send(pool_src, pool_dst, pool_lengths):
-            return self.submit(peer, pool_region, remote, pool_src, pool_dst, 1, pool_lengths,
-                               None if imm == _native.NO_IMM else imm,
-                               max(deadline - time.monotonic(), 1e-3))
+            self.check_open()
+            return self._post(peer, pool_region, remote, pool_src, pool_dst, 1, pool_lengths, imm,
+                              max(deadline - time.monotonic(), 1e-3))
 
         def done(error, safe):
             with self.lock:
@@ -1166,6 +1263,72 @@ class _Service:
         self.stager.submit(staging.StagedJob(region.address, region.length, region.device,
                                              src.astype(np.int64) * stride, dst.astype(np.int64) * stride, lengths,
                                              deadline, send, done, lambda: not state.closed))
+        return transfer
+
+    def start_landing(self) -> landing.Landing:
+        """The landing thread and its control channel (at the first staged target, or the first write into a
+        peer's)."""
+        with self.lock:
+            if self.landing is None:
+                self.check_open()
+                slot = self.nics.slots[0]
+                self.landing = landing.Landing(self.provider, slot.domain_name, self.engine_id, self.native,
+                                               _staging_failure, lease_s=self.timeout)
+            return self.landing
+
+    def _submit_landing(self, peer: Peer, region: Region, remote: RemoteRegion, src, dst, stride: int, lengths,
+                        imm: int, timeout: float) -> Transfer:
+        """A transfer into a peer's staged target: the landing thread gets lanes from the target, writes
+        each lane's pages into them (from the region, or through the staging pool when the region is staged
+        itself) and resolves the transfer once the target says every page is in place."""
+        route = remote.landing
+        n = src.size
+        lengths = np.full(n, lengths, dtype=np.uint64) if np.isscalar(lengths) else np.asarray(lengths, np.uint64)
+        largest = int(lengths.max())
+        if largest > route.lane_bytes:
+            raise fi.UsageError(f"a write of {largest} bytes does not fit the target's landing lanes of "
+                                f"{route.lane_bytes} bytes: use smaller pages or stripe_bytes, or give the target "
+                                "a larger Engine(staging_chunk_bytes=...)")
+        if region.staged:
+            self.stager.check_fits(largest)
+            try:
+                staging.pointer_device(region.address, region.length)
+            except staging.StagingError as exc:
+                raise StagingFailed(f"region {region.id} cannot be staged: {exc}", buffer_safe=True) from None
+        lander = self.start_landing()
+        message_bytes = min(route.message_bytes, lander.channel.message_bytes)
+        max_pages = (message_bytes - landing.FILLED_HEAD) // landing.PAGE_ENTRY.size
+        deadline = time.monotonic() + timeout
+        transfer = Transfer(n, int(lengths.sum()), deadline, _Safety(self.timeout), pages=n)
+        state = region._state
+        with self.lock:
+            state.in_use += 1
+            self.submitted["transfers"] += 1
+            self.submitted["pages"] += n
+            self.submitted["writes"] += n
+
+        def post(src_bytes, lane_offsets, lane_lengths, lane_imm, left):
+            self.check_open()
+            if region.staged:
+                return self._submit_staged(peer, region, route.lanes, src_bytes, lane_offsets, 1, lane_lengths,
+                                           lane_imm, left)
+            return self._post(peer, region, route.lanes, src_bytes, lane_offsets, 1, lane_lengths, lane_imm, left)
+
+        def done(error, safe):
+            with self.lock:
+                state.in_use -= 1
+            if error is None:
+                transfer.set_result(TransferResult(transfer.bytes, n, time.perf_counter() - transfer.started,
+                                                   pages=n))
+            elif not transfer.done():
+                error._safety = transfer._safety
+                transfer.set_exception(error)
+            if safe:
+                transfer._safety.settle(True)
+
+        lander.submit(landing.LandingJob(route.address, remote.region_id, route.lane_bytes, max_pages,
+                                         src.astype(np.int64) * stride, dst.astype(np.int64) * stride, lengths, imm,
+                                         deadline, post, done, transfer._safety.settle))
         return transfer
 
     def close_region(self, state: _RegionState, timeout: float) -> None:
@@ -1209,6 +1372,8 @@ class _Service:
     # ------------------------------------------------------------------------------------ internals
 
     def _shut_down(self) -> None:
+        if self.landing is not None:
+            self.landing.close()  # fails writers' jobs; copies into staged targets are waited for
         if self.stager is not None:
             self.stager.close()  # fails what it had not handed over; its chunks' writes are failed below
         stranded = self.native.stop_service(WORKER_EXIT_TIMEOUT)
@@ -1246,6 +1411,8 @@ class _Service:
         self.nics.close()
         if self.stager is not None:
             self.stager.pool.close()  # no NIC has it registered any more
+        if self.landing is not None and self.landing.pool is not None:
+            self.landing.pool.close()
 
     def _snapshot_after_stop(self) -> dict:
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .fi import UsageError
+from .fi import FabriclabError, UsageError
 
 
 @dataclass(frozen=True)
@@ -26,10 +26,24 @@ def _driver():
     return driver
 
 
+class CudaError(FabriclabError, RuntimeError):
+    """A CUDA call failed, or the GPU memory it works on is gone (freed by its owner)."""
+
+
+def error_name(err) -> str:
+    """CUDA's name for a CUDA error code (``CUDA_ERROR_...``), or "unknown"."""
+    try:
+        name = _driver().cuGetErrorName(err)[1]
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # the name is a nicety; the number is already in the message
+        return "unknown"
+
+
 def _ok(result, call: str):
+    """The value(s) of a cuda-python call's result; CudaError naming the call and the error otherwise."""
     err, *rest = result
     if int(err) != 0:
-        raise RuntimeError(f"{call} failed: CUDA error {int(err)}")
+        raise CudaError(f"{call} failed: CUDA error {int(err)} ({error_name(err)})")
     return rest[0] if len(rest) == 1 else rest
 
 

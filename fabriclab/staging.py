@@ -36,46 +36,24 @@ _CU_MEMHOSTALLOC_PORTABLE = 1
 _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 2, 3, 13
 
 
-class StagingError(fi.FabriclabError, RuntimeError):
-    """A CUDA call of the staged path failed, or the GPU memory it copies from is gone."""
+StagingError = gpu.CudaError  # a CUDA call of the staged path failed, or the GPU memory it copies is gone
 
 
 # ----------------------------------------------------------------------------------- CUDA memory
 
 
-def _driver():
-    driver = gpu.require_cuda()  # UsageError naming what is missing
-    return driver
-
-
-def _check(result, what: str):
-    err, *rest = result
-    if int(err) != 0:
-        raise StagingError(f"{what} failed: CUDA error {int(err)} ({_error_name(err)})")
-    return rest[0] if len(rest) == 1 else rest
-
-
-def _error_name(err) -> str:
-    driver = gpu._driver()
-    try:
-        name = driver.cuGetErrorName(err)[1]
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # the name is a nicety; the number is already in the message
-        return "unknown"
-
-
 def pointer_device(pointer: int, length: int) -> int:
     """The CUDA device holding ``[pointer, pointer + length)``; StagingError if that is not live device
     memory (never allocated, freed by its owner, or shorter than ``length``)."""
-    driver = _driver()
+    driver = gpu.require_cuda()
     attr = driver.CUpointer_attribute
     err, device = driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL), pointer)
     if int(err) != 0:
         raise StagingError(f"{pointer:#x} is not live CUDA memory (freed by its owner?): CUDA error {int(err)} "
-                           f"({_error_name(err)})")
-    start = int(_check(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR), pointer),
+                           f"({gpu.error_name(err)})")
+    start = int(gpu._ok(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR), pointer),
                        "cuPointerGetAttribute(range start)"))
-    size = int(_check(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_SIZE), pointer),
+    size = int(gpu._ok(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_SIZE), pointer),
                       "cuPointerGetAttribute(range size)"))
     if pointer + length > start + size:
         raise StagingError(f"the CUDA allocation at {pointer:#x} holds {start + size - pointer} bytes from there, "
@@ -148,24 +126,34 @@ def pool_layout(pool_bytes: int, chunk_bytes: int) -> tuple[int, int]:
 
 
 class PinnedPool:
-    """``pool_bytes`` of page-locked host memory (portable: any device copies into it), cut into chunks."""
+    """``pool_bytes`` of page-locked host memory (portable: any device copies into it), cut into chunks.
+    ``pinned=False`` (tests without a GPU: fabriclab.landing's host-memory copier) takes plain page-aligned
+    host memory instead, and no CUDA."""
 
-    def __init__(self, pool_bytes: int, chunk_bytes: int):
+    def __init__(self, pool_bytes: int, chunk_bytes: int, pinned: bool = True):
         self.chunks, self.length = pool_layout(pool_bytes, chunk_bytes)
-        driver = _driver()
-        self.driver = driver
-        self.context = _check(driver.cuDevicePrimaryCtxRetain(_check(driver.cuDeviceGet(0), "cuDeviceGet")),
-                              "cuDevicePrimaryCtxRetain")
-        _check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         self.chunk_bytes = chunk_bytes
-        self.pointer = int(_check(driver.cuMemHostAlloc(self.length, _CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
+        self.driver = self.context = self._host = None
+        if not pinned:
+            self._host = memory.HostBuffer(self.length)
+            self.pointer, self.array = self._host.pointer, self._host.array
+            return
+        driver = gpu.require_cuda()
+        self.driver = driver
+        self.context = gpu._ok(driver.cuDevicePrimaryCtxRetain(gpu._ok(driver.cuDeviceGet(0), "cuDeviceGet")),
+                               "cuDevicePrimaryCtxRetain")
+        gpu._ok(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self.pointer = int(gpu._ok(driver.cuMemHostAlloc(self.length, _CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.pointer))
 
     def close(self) -> None:
         """Free the memory: only once no NIC has it registered any more."""
         if self.array is not None:
             self.array = None
-            self.driver.cuMemFreeHost(self.pointer)
+            if self._host is not None:
+                self._host.close()
+            else:
+                self.driver.cuMemFreeHost(self.pointer)
 
 
 # ------------------------------------------------------------------------------------- the stager
@@ -208,9 +196,9 @@ class Stager:
         self.pool = pool
         self.failure_type = failure_type  # (message, buffer_safe, why) -> the caller's exception; why: FAILURES
         d = pool.driver
-        self.streams = [_check(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(COPY_STREAMS)]  # non-blocking
-        self.started = [_check(d.cuEventCreate(0), "cuEventCreate") for _ in range(pool.chunks)]
-        self.copied = [_check(d.cuEventCreate(0), "cuEventCreate") for _ in range(pool.chunks)]
+        self.streams = [gpu._ok(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(COPY_STREAMS)]  # non-blocking
+        self.started = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(pool.chunks)]
+        self.copied = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(pool.chunks)]
         self.free = collections.deque(range(pool.chunks))
         self.jobs: collections.deque[StagedJob] = collections.deque()
         self.copying: collections.deque[_Chunk] = collections.deque()
@@ -318,11 +306,11 @@ class Stager:
             stream = self.streams[slot % len(self.streams)]
             d = self.pool.driver
             try:
-                _check(d.cuEventRecord(self.started[slot], stream), "cuEventRecord")
+                gpu._ok(d.cuEventRecord(self.started[slot], stream), "cuEventRecord")
                 for host, src, length in zip(chunk.src, job.src[job.next_write:end], chunk.lengths):
-                    _check(d.cuMemcpyDtoHAsync(self.pool.pointer + int(host), job.pointer + int(src), int(length),
+                    gpu._ok(d.cuMemcpyDtoHAsync(self.pool.pointer + int(host), job.pointer + int(src), int(length),
                                                stream), "cuMemcpyDtoHAsync")
-                _check(d.cuEventRecord(self.copied[slot], stream), "cuEventRecord")
+                gpu._ok(d.cuEventRecord(self.copied[slot], stream), "cuEventRecord")
             except StagingError as exc:
                 d.cuStreamSynchronize(stream)  # nothing of ours may still read the caller's memory
                 self.free.append(slot)
@@ -357,7 +345,7 @@ class Stager:
             if int(err) != 0:
                 self.free.append(chunk.slot)
                 self._fail(chunk.job, f"copying GPU memory to the staging pool failed: CUDA error {int(err)} "
-                                      f"({_error_name(err)})", safe=True)
+                                      f"({gpu.error_name(err)})", safe=True)
                 continue
             err, ms = d.cuEventElapsedTime(self.started[chunk.slot], self.copied[chunk.slot])
             if int(err) == 0:

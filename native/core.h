@@ -49,6 +49,9 @@ typedef struct fl_op {
  * many pages the write carries minus one, so that a target counts a write of several coalesced pages as
  * that many (fl_imm_take counts pages). FL_NO_IMM is never a caller's value. */
 #define FL_IMM_VALUE_BITS 24
+/* The value bits of a write into a staged target's landing lane (fabriclab.landing): never a caller's (whose
+ * largest is FL_IMM_VALUE_BITS ones minus one); the lane's number sits above them. */
+#define FL_LANDING_VALUE ((1ull << FL_IMM_VALUE_BITS) - 1)
 
 /* One NIC slot: an endpoint and what it needs to write to (or count writes from) its peer slot.
  * Aligned to a cache line so that threads owning different NICs never share one. */
@@ -159,4 +162,8 @@ uint64_t fl_now_ns(void);
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 /* If at least `count` writes carrying `imm` have arrived, consume them and return 1; else 0. */
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
+/* Count `count` more arrivals of `imm` (pages a staged target copied to the GPU): 1, or 0 if the table is full. */
+int fl_imm_credit(fl_engine *e, uint64_t imm, uint64_t count);
+/* Consume every arrival of `imm` counted so far; returns how many (a landing lane given back after a failure). */
+uint64_t fl_imm_drain(fl_engine *e, uint64_t imm);
 #endif

@@ -238,6 +238,7 @@ typedef struct fl_op {
 #define FL_NO_IMM ...
 #define FL_TRANSFER_FIELDS ...
 #define FL_IMM_VALUE_BITS ...
+#define FL_LANDING_VALUE ...
 typedef struct fl_nic {
     struct fid_ep *ep; struct fid_cq *cq; void *desc; fi_addr_t dest; uint64_t remote_base; uint64_t rkey;
     int group; uint32_t max_in_flight; uint32_t cq_data_size; uint32_t ring_capacity; uint32_t in_flight;
@@ -275,6 +276,8 @@ int fl_engine_free(fl_engine *e);
 uint64_t fl_now_ns(void);
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
+int fl_imm_credit(fl_engine *e, uint64_t imm, uint64_t count);
+uint64_t fl_imm_drain(fl_engine *e, uint64_t imm);
 
 /* ------------------------------------------------------------- the course's run loops (course.h) */
 int fl_write_run(fl_engine *e, const fl_config *cfg);

@@ -1,6 +1,8 @@
-"""Two processes, 1 MiB pages: host → host against torch CUDA → host through the staged path, interleaved.
+"""Two processes, 1 MiB pages: host and torch CUDA sources (the latter staged where the provider lacks
+FI_HMEM), interleaved, into a host buffer or, with ``--target-memory cuda``, a torch CUDA tensor (a staged
+target there: pages land in the target's lanes and are copied to the GPU before they count).
 
-    python scripts/staged_bench.py [--rounds 5] [--nics 8] [--threads 4]
+    python scripts/staged_bench.py [--rounds 5] [--nics 8] [--threads 4] [--target-memory host|cuda]
 
 Each round runs both sources once: 2 warm-up transfers then 20 of 64 pages × 1 MiB (random destination
 pages), byte-exact checked at the end of the round. Prints each round's GB/s and the medians with their
@@ -17,17 +19,24 @@ from fabriclab import Engine, bootstrap
 PAGE, PAGES, TRANSFERS, WARMUP = 1 << 20, 64, 20, 2
 
 
-def target(provider: str, nics: int, threads: int) -> None:
-    with Engine(provider, nics=nics, threads=threads, pin=False, gpu=False) as engine:
-        buffer = np.zeros(PAGES * PAGE, np.uint8)
-        region = engine.register(buffer)
+def target(provider: str, nics: int, threads: int, memory: str) -> None:
+    with Engine(provider, nics=nics, threads=threads, pin=False, gpu=memory == "cuda") as engine:
+        if memory == "cuda":
+            import torch
+            tensor = torch.zeros(PAGES * PAGE, dtype=torch.uint8, device="cuda")
+            region = engine.register(tensor)
+            print(f"target path {region.path}", file=sys.stderr, flush=True)
+        else:
+            buffer = np.zeros(PAGES * PAGE, np.uint8)
+            region = engine.register(buffer)
         with bootstrap.Rendezvous() as rendezvous:
             print(rendezvous.port, flush=True)
             rendezvous.exchange(bootstrap.pack(engine.address, region.descriptor()))
         for line in sys.stdin:
             imm, count = (int(w) for w in line.split())
             engine.expect(imm, count, timeout=60).result()
-            print(hashlib.sha256(buffer).hexdigest(), flush=True)
+            landed = tensor.cpu().numpy() if memory == "cuda" else buffer
+            print(hashlib.sha256(landed).hexdigest(), flush=True)
 
 
 def main() -> None:
@@ -38,8 +47,10 @@ def main() -> None:
     parser.add_argument("--nics", type=int, default=8)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--provider", default="shm")
+    parser.add_argument("--target-memory", choices=("host", "cuda"), default="host")
     args = parser.parse_args()
-    peer = subprocess.Popen([sys.executable, __file__, "--target", args.provider, str(args.nics), str(args.threads)],
+    peer = subprocess.Popen([sys.executable, __file__, "--target", args.provider, str(args.nics), str(args.threads),
+                             args.target_memory],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     port = int(peer.stdout.readline())
     with Engine(args.provider, nics=args.nics, threads=args.threads, pin=False) as engine:
@@ -81,6 +92,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--target"]:
-        target(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        target(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     else:
         main()

@@ -23,10 +23,10 @@ PAGE = 65536
 class PeerProcess:
     """tests/api_peer.py in another process: an engine with one buffer, waiting for writes."""
 
-    def __init__(self, fabric, size):
+    def __init__(self, fabric, size, *options):
         provider, domain = fabric
-        self.proc = subprocess.Popen([sys.executable, PEER, provider, domain or "-", str(size)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, PEER, provider, domain or "-", str(size), *options],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         port = int(self.proc.stdout.readline())
         self.address, self.descriptor = bootstrap.unpack(bootstrap.exchange(port, b"hello"))
 

@@ -1,14 +1,23 @@
 """GPU memory through fabriclab.Engine: the staged path (pinned pool) where the provider lacks FI_HMEM, the
-direct path where it has it. Tests marked ``gpu`` need torch with CUDA; the others run anywhere."""
+direct path where it has it; staged targets (landing lanes, fabriclab.landing). Tests marked ``gpu`` need
+torch with CUDA; the others run anywhere: there a staged target in host memory (Engine._register_staged_host,
+copied with memmove) runs the landing protocol for real."""
 import hashlib
+import os
+import subprocess
+import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
-from fabriclab import Engine, RegionClosed, StagingFailed, TransferError, fi, gpu, memory, staging
+from fabriclab import (Engine, PeerLost, RegionClosed, StagingFailed, TransferError, TransferTimeout, bootstrap, fi,
+                       gpu, landing, memory, staging)
 from fabriclab.nics import NicSet
 from test_api import PeerProcess
+
+WRITER = os.path.join(os.path.dirname(__file__), "hostile_writer.py")
 
 MiB = 1 << 20
 
@@ -61,6 +70,170 @@ def test_cuda_array_without_cuda_is_a_clear_error():
             engine.register(FakeCudaArray())
 
 
+# ------------------------------------------------------------------- staged targets, in host memory
+
+PAGE = 65536
+
+
+def staged_target(fabric, **options):
+    """A target engine with a small landing pool: 4 lanes of 2 pages."""
+    options = {"staging_bytes": 8 * PAGE, "staging_chunk_bytes": 2 * PAGE, "timeout": 10, **options}
+    return Engine(fabric[0], domains=fabric[1], pin=False, gpu=False, **options)
+
+
+def writer_engine(fabric, timeout=10):
+    return Engine(fabric[0], domains=fabric[1], pin=False, gpu=False, timeout=timeout)
+
+
+def landed_as(data, src, dst, size):
+    want = np.zeros(size, np.uint8)
+    for s, d in zip(src, dst):
+        want[d * PAGE:(d + 1) * PAGE] = data[s * PAGE:(s + 1) * PAGE]
+    return want
+
+
+def test_staged_target_lands_byte_exact_through_a_pool_eight_times_smaller(fabric):
+    with staged_target(fabric) as target, writer_engine(fabric) as writer:
+        landed = np.zeros(64 * PAGE, np.uint8)
+        region = target._register_staged_host(landed)
+        assert region.path == "host-staged" and region.lands and not region.staged
+        data = np.random.default_rng(1).integers(0, 256, 64 * PAGE, dtype=np.uint8)
+        peer = writer.connect(target.address)
+        dst = np.random.default_rng(2).permutation(64)
+        expected = target.expect(5, 64)
+        result = peer.write_pages(writer.register(data), np.arange(64), region.descriptor(), dst, PAGE,
+                                  imm=5).result(30)
+        assert result.writes == 64 and result.pages == 64 and result.bytes == 64 * PAGE
+        assert expected.result(10) == 64
+        assert np.array_equal(landed, landed_as(data, np.arange(64), dst, landed.size))
+        stats = target.stats()["staging"]
+        assert stats["landing_pool_bytes"] == 8 * PAGE and stats["lanes"] == 4 and stats["landing_allocated"]
+        assert stats["landed_bytes"] == 64 * PAGE and stats["landed_lanes"] == 32
+        assert stats["allocated"] is False  # no pinned staging pool for sources: nothing here is a staged source
+        # plain writes, striped: each piece is a page the target counts
+        peer.write(writer.register(np.full(4 * PAGE, 7, np.uint8)), region.descriptor(), dst_offset=PAGE,
+                   stripe_bytes=PAGE, imm=6).result(30)
+        assert target.expect(6, 4).result(10) == 4 and np.all(landed[PAGE:5 * PAGE] == 7)
+
+
+def test_two_writers_into_one_staged_target(fabric):
+    with staged_target(fabric) as target, writer_engine(fabric) as first, writer_engine(fabric) as second:
+        landed = np.zeros(64 * PAGE, np.uint8)
+        descriptor = target._register_staged_host(landed).descriptor()
+        results = {}
+
+        def write(engine, imm, pages):
+            data = np.full(32 * PAGE, imm, np.uint8)
+            peer = engine.connect(target.address)
+            for _ in range(3):  # the same pages again: each time all of them count
+                results.setdefault(imm, []).append(
+                    peer.write_pages(engine.register(data), np.arange(32), descriptor, pages, PAGE, imm=imm).result(30))
+
+        threads = [threading.Thread(target=write, args=(first, 1, np.arange(0, 64, 2))),
+                   threading.Thread(target=write, args=(second, 2, np.arange(1, 64, 2)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [len(results.get(imm, [])) for imm in (1, 2)] == [3, 3]
+        assert target.expect(1, 96).result(10) == 96 and target.expect(2, 96).result(10) == 96
+        pages = landed.reshape(64, PAGE)
+        assert np.all(pages[0::2] == 1) and np.all(pages[1::2] == 2)
+
+
+class GatedCopier(landing.HostCopier):
+    """Copies, but says the copy is finished only once the test opens the gate."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def finished(self, lane):
+        return self.gate.is_set()
+
+
+def test_pages_count_and_transfers_finish_only_once_copied(fabric):
+    with staged_target(fabric) as target, writer_engine(fabric) as writer:
+        landed = np.zeros(4 * PAGE, np.uint8)
+        descriptor = target._register_staged_host(landed).descriptor()
+        copier = target._service.landing.copiers["host"] = GatedCopier()
+        expected = target.expect(3, 2)
+        peer = writer.connect(target.address)
+        transfer = peer.write_pages(writer.register(np.full(2 * PAGE, 9, np.uint8)), [0, 1], descriptor, [3, 0],
+                                    PAGE, imm=3)
+        deadline = time.monotonic() + 10
+        while target.stats()["staging"]["landed_lanes"] == 0 and not np.any(landed) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the pages arrived and were copied, but the copier has not said so
+        time.sleep(0.3)
+        assert np.all(landed.reshape(4, PAGE)[[0, 3]] == 9)
+        assert not expected.done() and not transfer.done()
+        copier.gate.set()
+        assert transfer.result(10).pages == 2 and expected.result(10) == 2
+
+
+def test_closed_staged_target_refuses_typed(fabric):
+    with staged_target(fabric) as target, writer_engine(fabric) as writer:
+        region = target._register_staged_host(np.zeros(4 * PAGE, np.uint8))
+        descriptor = region.descriptor()
+        region.close()
+        peer = writer.connect(target.address)
+        with pytest.raises(RegionClosed) as failed:
+            peer.write_pages(writer.register(np.ones(PAGE, np.uint8)), [0], descriptor, [0], PAGE).result(20)
+        assert failed.value.buffer_safe
+        with pytest.raises(fi.UsageError, match="does not fit the target's landing lanes"):
+            peer.write_pages(writer.register(np.ones(4 * PAGE, np.uint8)), [0], descriptor, [0], 4 * PAGE)
+        with pytest.raises(fi.UsageError, match="a target only"):
+            peer.write_pages(writer._register_staged_host(np.ones(PAGE, np.uint8)), [0], descriptor, [0], PAGE)
+
+
+def test_killed_staged_target_fails_the_writer_typed(fabric):
+    """A target that died: its lanes are never granted, and the writer's transfers fail typed at their
+    deadline, having written nothing (so the buffer is safe)."""
+    target = PeerProcess(fabric, 256 * PAGE, "--staged-host")
+    try:
+        with writer_engine(fabric, timeout=3) as writer:
+            peer = writer.connect(target.address)
+            region = writer.register(np.ones(256 * PAGE, np.uint8))
+            assert peer.write_pages(region, np.arange(8), target.descriptor, np.arange(8), PAGE,
+                                    imm=1).result(30).pages == 8
+            assert target.ask("expect 1 8 10").startswith("landed 8 ")
+            target.kill()
+            started = time.monotonic()
+            transfers = [peer.write_pages(region, np.arange(256), target.descriptor, np.arange(256), PAGE, imm=2)
+                         for _ in range(4)]
+            for transfer in transfers:
+                with pytest.raises((PeerLost, TransferTimeout)) as failed:
+                    transfer.result(30)
+                assert failed.value.buffer_safe
+            assert time.monotonic() - started < 30
+    finally:
+        target.kill()
+
+
+def test_killed_writer_leaves_the_staged_target_serving(fabric):
+    """A writer killed while it holds lanes: the target's expect fails typed at its deadline, the lanes come
+    back when their lease (the target's timeout) runs out, and other writers land again."""
+    with staged_target(fabric, timeout=3) as target, writer_engine(fabric) as survivor:
+        landed = np.zeros(16 * PAGE, np.uint8)
+        descriptor = target._register_staged_host(landed).descriptor()
+        packed = bootstrap.pack(target.address, descriptor).hex()
+        killed = subprocess.Popen([sys.executable, WRITER, fabric[0], fabric[1] or "-", packed, "100000", "4"],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert target.expect(4, 20).result(30) == 20  # it writes
+            killed.kill()
+            killed.wait(10)
+        finally:
+            killed.kill()
+        with pytest.raises(TransferTimeout):
+            target.expect(4, 10 ** 6, timeout=1).result(10)
+        peer = survivor.connect(target.address)
+        result = peer.write_pages(survivor.register(np.full(8 * PAGE, 5, np.uint8)), np.arange(8), descriptor,
+                                  np.arange(8, 16), PAGE, imm=5).result(30)
+        assert result.pages == 8 and target.expect(5, 8).result(10) == 8
+        assert np.all(landed[8 * PAGE:] == 5)
+
+
 # ------------------------------------------------------------------------------------- with a GPU
 
 torch = pytest.importorskip("torch") if gpu.cuda_status() == "ok" else None
@@ -74,7 +247,9 @@ def gpu_pages(seed, n, page):
 
 
 def sha(tensor) -> str:
-    return hashlib.sha256(tensor.cpu().numpy().tobytes()).hexdigest()
+    """SHA-256 of a torch tensor's bytes (wherever it lives) or of a numpy array's."""
+    host = tensor.cpu().numpy() if hasattr(tensor, "cpu") else tensor
+    return hashlib.sha256(host.tobytes()).hexdigest()
 
 
 @pytest.fixture
@@ -121,14 +296,58 @@ def test_torch_cuda_source_lands_byte_exact(gpu_engine, permuted):
 
 @pytest.mark.gpu
 @needs_torch_cuda
-def test_gpu_target_is_direct_or_refused_clearly(gpu_engine):
-    target = torch.zeros(4 * MiB, dtype=torch.uint8, device="cuda")
-    region = gpu_engine.register(target)
-    if region.staged:
-        with pytest.raises(fi.UsageError, match="staged, and can be a source of writes, not a target"):
-            region.descriptor()
-    else:
-        assert region.descriptor()
+@pytest.mark.parametrize("source_memory", ["cuda", "host"])
+def test_torch_cuda_target_lands_byte_exact(gpu_engine, source_memory):
+    """GPU → GPU (and host → GPU): a staged target copies each lane to the GPU before the pages count and
+    the writer's transfer resolves. 32 pages of 1 MiB through 8 lanes of 1 MiB, to permuted pages."""
+    n, page = 32, MiB
+    with Engine("shm", pin=False, timeout=20, staging_bytes=8 * MiB, staging_chunk_bytes=MiB) as target_engine:
+        target = torch.zeros(n * page, dtype=torch.uint8, device="cuda")
+        target_region = target_engine.register(target)
+        print(f"target path {target_region.path}: {target_region.why}")
+        source = gpu_pages(4, n, page)
+        expected_host = source.cpu().numpy()
+        if source_memory == "host":
+            source = expected_host.copy()
+        before = sha(source)
+        region = gpu_engine.register(source)
+        peer = gpu_engine.connect(target_engine.address)
+        dst = np.random.default_rng(5).permutation(n)
+        counted = target_engine.expect(11, n)
+        result = peer.write_pages(region, np.arange(n), target_region.descriptor(), dst, page, imm=11).result(60)
+        assert result.pages == n and result.bytes == n * page
+        assert counted.result(30) == n
+        torch.cuda.synchronize()
+        expected = np.empty(n * page, np.uint8)
+        expected.reshape(n, page)[dst] = expected_host.reshape(n, page)
+        assert sha(target) == hashlib.sha256(expected).hexdigest()
+        assert sha(source) == before
+        stats = target_engine.stats()["staging"]
+        print(stats)
+        if target_region.lands:
+            assert stats["landed_bytes"] == n * page and stats["landing_pool_bytes"] == 8 * MiB
+            assert stats["landing_copy_seconds"] > 0
+
+
+@pytest.mark.gpu
+@needs_torch_cuda
+def test_gpu_target_freed_by_its_owner_fails_the_writer_typed(gpu_engine):
+    buffer = memory.CudaBuffer(2 * MiB)
+
+    class Owned:
+        __cuda_array_interface__ = {"shape": (2 * MiB,), "typestr": "|u1", "data": (buffer.pointer, False),
+                                    "version": 3}
+
+    with Engine("shm", pin=False, timeout=20, staging_bytes=8 * MiB, staging_chunk_bytes=MiB) as target_engine:
+        target_region = target_engine.register(Owned())
+        if not target_region.lands:
+            pytest.skip("direct registration pins the memory: freeing it under the NIC is the provider's business")
+        descriptor = target_region.descriptor()
+        buffer.close()
+        peer = gpu_engine.connect(target_engine.address)
+        with pytest.raises(StagingFailed, match="could not copy to its GPU memory") as failed:
+            peer.write_pages(gpu_engine.register(np.ones(MiB, np.uint8)), [0], descriptor, [0], MiB).result(30)
+        assert failed.value.buffer_safe
 
 
 @pytest.mark.gpu
