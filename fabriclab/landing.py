@@ -232,7 +232,7 @@ class CudaCopier:
 # -------------------------------------------------------------------------- the target's lanes
 
 
-@dataclass
+@dataclass(eq=False)
 class TargetRegion:
     """A staged target region as the landing thread sees it: where its memory is, and its engine state
     (``in_use`` keeps Region.close waiting while a copy writes into it)."""
@@ -243,7 +243,7 @@ class TargetRegion:
     state: object  # engine._RegionState
 
 
-@dataclass
+@dataclass(eq=False)
 class _Lane:
     number: int
     owner: tuple | None = None      # (writer id, job, writer's control fi_addr)
@@ -254,7 +254,7 @@ class _Lane:
     copier: object = None               # copying with it, once the pages have arrived
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     owner: tuple
     region_id: int
@@ -264,7 +264,7 @@ class _Request:
 # -------------------------------------------------------------------------------- writers' jobs
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues remove it, and numpy fields cannot be compared
 class LandingJob:
     """One transfer into a staged target: write i moves lengths[i] bytes from byte src[i] of the local
     region to byte dst[i] of the target region. ``post(src, lane_offsets, lengths, imm, timeout)`` writes

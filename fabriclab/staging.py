@@ -159,7 +159,7 @@ class PinnedPool:
 # ------------------------------------------------------------------------------------- the stager
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues remove it, and numpy fields cannot be compared
 class StagedJob:
     """One transfer from a staged region: write i moves lengths[i] bytes from byte src[i] of the GPU region
     to byte dst[i] of the peer's region. ``send(src, dst, lengths)`` hands writes from the pool (src: pool
@@ -178,7 +178,7 @@ class StagedJob:
     error: BaseException | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Chunk:
     slot: int
     job: StagedJob

@@ -356,3 +356,17 @@ def test_a_write_refused_right_after_an_fi_more_run_still_ends_the_run(fabric):
             assert peer_proc.ask("expect 7 8 10").startswith("landed 8")
     finally:
         peer_proc.close()
+
+
+def test_bench_describes_both_halves_of_staging():
+    from fabriclab.tools.bench import describe_staging
+    idle = {"allocated": False, "pool_bytes": 64 << 20, "landing_allocated": False}
+    assert describe_staging(idle) == "nothing staged (pool of 64 MiB not allocated)"
+    landed = {**idle, "landing_allocated": True, "landed_bytes": 1 << 30, "landed_lanes": 256, "lanes": 16,
+              "landing_pool_bytes": 64 << 20, "landing_copy_seconds": 0.1}
+    assert describe_staging(landed) == ("landed 1 GiB in 256 lanes of a pool of 64 MiB (16 lanes), 0.100 s "
+                                        "copying (10.7 GB/s)")
+    sent = {**landed, "allocated": True, "staged_bytes": 1 << 20, "staged_chunks": 1, "chunk_bytes": 4 << 20,
+            "copy_seconds": 0.0, "jobs_waiting": 0}
+    assert describe_staging(sent).startswith("sent 1 MiB in 1 chunks through a pool of 64 MiB (4 MiB chunks), "
+                                              "0.000 s copying (0.0 GB/s), 0 job(s) waiting; landed 1 GiB")

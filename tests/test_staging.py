@@ -423,3 +423,21 @@ def test_gpu_memory_freed_by_its_owner_is_refused(gpu_engine):
             peer.write_pages(region, [0], peer_proc.descriptor, [0], MiB)
     finally:
         peer_proc.close()
+
+
+def test_queued_jobs_are_told_apart_by_identity_not_by_their_arrays():
+    """The stager and the landing thread drop finished jobs from their queues with list.remove; two jobs
+    with equal fields are still two jobs, and numpy fields must never be compared (it raised in the stager
+    once, on the GPU machine, leaving a killed peer's transfer unsettled)."""
+    pages = np.arange(4, dtype=np.int64)
+    fields = dict(pointer=0, length=4, device=0, src=pages, dst=pages, lengths=np.ones(4, np.uint64), deadline=0.0,
+                  send=None, done=None, is_open=None)
+    first, second = staging.StagedJob(**fields), staging.StagedJob(**fields)
+    queue = [first, second]
+    queue.remove(second)
+    assert queue == [first] and queue[0] is first
+    landing_fields = dict(address=b"", region_id=1, lane_bytes=4, max_pages=4, src=pages, dst=pages,
+                          lengths=np.ones(4, np.uint64), imm=0, deadline=0.0, post=None, done=None, settle=None)
+    jobs = [landing.LandingJob(**landing_fields), landing.LandingJob(**landing_fields)]
+    jobs.remove(jobs[1])
+    assert len(jobs) == 1

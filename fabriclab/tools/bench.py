@@ -657,12 +657,21 @@ def describe_staging(staging: dict) -> str:
     """An engine's ``stats()["staging"]`` in words."""
     if not staging:
         return "not reported"
-    if not staging["allocated"]:
-        return f"nothing staged (pool of {cli.format_size(staging['pool_bytes'])} not allocated)"
-    copied = staging["staged_bytes"] / staging["copy_seconds"] / 1e9 if staging["copy_seconds"] else 0.0
-    return (f"{cli.format_size(staging['staged_bytes'])} in {staging['staged_chunks']} chunks through a pool of "
-            f"{cli.format_size(staging['pool_bytes'])} ({cli.format_size(staging['chunk_bytes'])} chunks), "
-            f"{staging['copy_seconds']:.3f} s copying ({copied:.1f} GB/s), {staging['jobs_waiting']} job(s) waiting")
+    said = []
+    if staging["allocated"]:  # writes from GPU memory: GPU -> pinned chunks -> the NICs
+        said.append(f"sent {cli.format_size(staging['staged_bytes'])} in {staging['staged_chunks']} chunks through "
+                    f"a pool of {cli.format_size(staging['pool_bytes'])} ({cli.format_size(staging['chunk_bytes'])} "
+                    f"chunks), {_copy_rate(staging['staged_bytes'], staging['copy_seconds'])}, "
+                    f"{staging['jobs_waiting']} job(s) waiting")
+    if staging.get("landing_allocated"):  # writes into GPU memory: the NICs -> pinned lanes -> GPU
+        said.append(f"landed {cli.format_size(staging['landed_bytes'])} in {staging['landed_lanes']} lanes of a pool "
+                    f"of {cli.format_size(staging['landing_pool_bytes'])} ({staging['lanes']} lanes), "
+                    f"{_copy_rate(staging['landed_bytes'], staging['landing_copy_seconds'])}")
+    return "; ".join(said) or f"nothing staged (pool of {cli.format_size(staging['pool_bytes'])} not allocated)"
+
+
+def _copy_rate(nbytes: int, seconds: float) -> str:
+    return f"{seconds:.3f} s copying ({nbytes / seconds / 1e9 if seconds else 0.0:.1f} GB/s)"
 
 
 # The shapes of issue 15's benchmark: (pages per transfer, page size), each bytes-equal (64 MiB a transfer).
