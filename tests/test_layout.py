@@ -8,6 +8,7 @@ import pytest
 
 from fabriclab import Engine, batched, engine as engine_module, fi, memory, nics, rdma_write
 from fabriclab.engine import coalesce_pages
+from fabriclab.gpu import cuda_status
 from fabriclab.topology import Topology
 from fabriclab.tools.peers import start_server
 from conftest import provider_args
@@ -226,6 +227,17 @@ def test_bench_defaults_prints_a_table_with_defaults_against_the_sweep(fabric):
     assert "defaults % of best" in table and "memcpy ceiling" in table
     assert "pthreads" in result["memcpy_method"] and len(result["memcpy_8_threads_runs_gbs"]) == 1
     assert "memcpy measured as: C memcpy" in table
+    assert result["memory"] == "host" and result["paths"] == {"source": "host", "target": "host"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_status() != "ok", reason="needs CUDA")
+def test_bench_defaults_moves_gpu_memory_on_both_sides(fabric):
+    from fabriclab.tools.bench import defaults_comparison, format_defaults
+    result = defaults_comparison(fabric[0], fabric[1], layouts=[(2, 1)], shapes=((4, 1 << 20),), transfers=2,
+                                 warmup=1, rounds=1, timeout=20, memory_kind="cuda")
+    assert result["paths"]["source"].startswith("cuda-") and result["paths"]["target"].startswith("cuda-")
+    assert "GPU memory on both sides: the source cuda-" in format_defaults(result)
 
 
 def test_bench_defaults_compares_the_defaults_with_the_same_layout_given(fabric):

@@ -685,20 +685,25 @@ def layout_sweep(cores: int) -> list[tuple[int, int]]:
 
 
 def defaults_comparison(provider: str | None, domain: str | None = None, layouts=None, shapes=DEFAULTS_SHAPES,
-                        transfers: int = 20, warmup: int = 2, timeout: float = 60.0, rounds: int = 3) -> dict:
+                        transfers: int = 20, warmup: int = 2, timeout: float = 60.0, rounds: int = 3,
+                        memory_kind: str = "host") -> dict:
     """Engine() with its defaults against ``layouts`` ((nics, threads) pairs; default layout_sweep), each
     writer and its target in two processes with the same layout: per shape, ``warmup`` then ``transfers``
     timed transfers of every page, one at a time, with pages contiguous and permuted on the target. The
     layouts take turns ``rounds`` times; GB/s per (layout, shape, order) is the median of the rounds (with
     their spread), next to the writes a transfer became; plus the 8-thread memcpy ceiling (memcpy_rate of a
-    transfer's bytes, once a round: its median, in GB/s)."""
+    transfer's bytes, once a round: its median, in GB/s). ``memory_kind`` "cuda": both sides' buffers are GPU
+    memory (direct or staged: "paths" says which)."""
+    if memory_kind == "cuda":
+        gpu.require_cuda()  # before any process starts: no CUDA here, and the error says what to install
     layouts = [None] + list(layout_sweep(len(os.sched_getaffinity(0))) if layouts is None else layouts)
     runs, chosen, ceilings = [[] for _ in layouts], {}, []
     largest = max(n * size for n, size in shapes)
     for r in range(rounds):
         # each round starts one layout further on: no layout always runs first (after an idle spell) or last
         for i in [(r + k) % len(layouts) for k in range(len(layouts))]:
-            runs[i].append(_defaults_round(provider, domain, layouts[i], shapes, transfers, warmup, timeout, chosen))
+            runs[i].append(_defaults_round(provider, domain, layouts[i], shapes, transfers, warmup, timeout, chosen,
+                                           memory_kind))
         ceilings.append(memcpy_rate(largest, threads=8, repeats=5))
     rows = []
     for layout, measured in zip(layouts, runs):
@@ -708,7 +713,7 @@ def defaults_comparison(provider: str | None, domain: str | None = None, layouts
                      "runs": {c: [m["gbs"][c] for m in measured] for c in cases},
                      "writes": measured[-1]["writes"]})
     pages, size = shapes[0]
-    return {"provider": provider, "rows": rows, "defaults": chosen,
+    return {"provider": provider, "memory": memory_kind, "paths": chosen.pop("paths"), "rows": rows, "defaults": chosen,
             "memcpy_8_threads_gbs": float(np.median([c["gbps"] for c in ceilings])) / 8,
             "memcpy_8_threads_runs_gbs": [c["gbps"] / 8 for c in ceilings], "memcpy_method": ceilings[-1]["method"],
             "against_ceiling": f"{pages}x{cli.format_size(size)} permuted", "rounds": rounds,
@@ -716,22 +721,23 @@ def defaults_comparison(provider: str | None, domain: str | None = None, layouts
 
 
 def _defaults_round(provider, domain, layout, shapes, transfers: int, warmup: int, timeout: float,
-                    chosen: dict) -> dict:
+                    chosen: dict, memory_kind: str) -> dict:
     """One layout's turn in defaults_comparison (a fresh target process and engine); fills ``chosen`` with
-    what the defaults picked."""
+    what the defaults picked and ``chosen["paths"]`` with the memory paths of both sides."""
     from ..engine import Engine
     row = {"gbs": {}, "writes": {}}
-    with _api_peer(provider, domain, layout, max(n * size for n, size in shapes)) as target:
+    region_bytes = max(n * size for n, size in shapes)
+    with _api_peer(provider, domain, layout, region_bytes, memory_kind) as target:
         address, descriptor = target["address"], target["descriptor"]
         nics, threads = layout or (None, None)
-        with Engine(provider, domains=domain, nics=nics, threads=threads, timeout=timeout, gpu=False) as engine, \
-                _running_on(engine.housekeeping_cores):
+        with Engine(provider, domains=domain, nics=nics, threads=threads, timeout=timeout,
+                    gpu=memory_kind == "cuda") as engine, _running_on(engine.housekeeping_cores):
             if layout is None:
                 chosen.update(nics=engine.nics, threads=engine.threads, repr=repr(engine))
             peer = engine.connect(address)
-            source = np.frombuffer(np.random.default_rng(1).bytes(max(n * size for n, size in shapes)),
-                                   dtype=np.uint8).copy()
-            region = engine.register(source)
+            source = np.frombuffer(np.random.default_rng(1).bytes(region_bytes), dtype=np.uint8).copy()
+            region = engine.register(gpu_copy(source) if memory_kind == "cuda" else source)
+            chosen["paths"] = {"source": region.path, "target": target["target"]["path"]}
             for pages, size in shapes:
                 for order in ("contiguous", "permuted"):
                     src = np.arange(pages)
@@ -775,6 +781,9 @@ def format_defaults(result: dict) -> str:
                  f"with defaults {defaults['gbs'][permuted] / ceiling * 100:.0f} % of it, best layout "
                  f"{best[permuted] / ceiling * 100:.0f} %")
     lines.append(f"memcpy measured as: {result['memcpy_method']}, once a round")
+    if result["memory"] == "cuda":
+        lines.append(f"GPU memory on both sides: the source {result['paths']['source']}, the target "
+                     f"{result['paths']['target']} (the memcpy ceiling is host memory's)")
     lines.append(f"medians of {result['rounds']} rounds, layouts taking turns; defaults here ({result['cores']} "
                  f"cores): {result['defaults'].get('repr', '')}")
     return "\n".join(lines)
@@ -829,7 +838,8 @@ def main(args) -> int:
         print(f"bench: {switched}, so a server on this host is reached through the NICs, not shared memory",
               file=sys.stderr)
     if args.defaults:
-        result = defaults_comparison(config.provider, config.domain, timeout=config.timeout, rounds=args.rounds)
+        result = defaults_comparison(config.provider, config.domain, timeout=config.timeout, rounds=args.rounds,
+                                     memory_kind=config.memory)
         print(format_defaults(result))
         if args.json:
             print(json.dumps(result))
