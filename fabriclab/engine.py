@@ -84,6 +84,20 @@ class TransferError(fi.FabriclabError, RuntimeError):
         return self._safety.wait(timeout)
 
 
+def _as_the_callers(error: BaseException, safe: bool, safety: "_Safety") -> BaseException:
+    """A staged transfer's failure as its caller sees it: the writes that failed read from the staging pool
+    (or wrote into the peer's lanes), so the safety they report is the pool's, not the caller's buffer's.
+    The same kind of error, whose ``buffer_safe`` and ``wait_safe`` are about the caller's buffer."""
+    if not isinstance(error, TransferError) or error.buffer_safe == safe and error._safety is safety:
+        return error
+    try:
+        mine = type(error)(str(error).rsplit(" (local buffer ", 1)[0], buffer_safe=safe, safety=safety)
+    except TypeError:  # an error that is always safe (InvalidDescriptor, OutOfRange): nothing to say
+        return error
+    mine.__cause__ = error
+    return mine
+
+
 class PeerLost(TransferError):
     """No NIC reaches the peer any more: every path to it failed (connection refused, reset or dropped) or
     stopped completing writes. The message says which. Not proof that the peer is gone: a write it could
@@ -1257,7 +1271,7 @@ class _Service:
                 transfer.set_result(TransferResult(transfer.bytes, transfer.writes,
                                                    time.perf_counter() - transfer.started))
             elif not transfer.done():
-                transfer.set_exception(error)
+                transfer.set_exception(_as_the_callers(error, safe, transfer._safety))
             transfer._safety.settle(safe)
 
         self.stager.submit(staging.StagedJob(region.address, region.length, region.device,
@@ -1321,8 +1335,7 @@ class _Service:
                 transfer.set_result(TransferResult(transfer.bytes, n, time.perf_counter() - transfer.started,
                                                    pages=n))
             elif not transfer.done():
-                error._safety = transfer._safety
-                transfer.set_exception(error)
+                transfer.set_exception(_as_the_callers(error, safe, transfer._safety))
             if safe:
                 transfer._safety.settle(True)
 

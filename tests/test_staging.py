@@ -441,3 +441,21 @@ def test_queued_jobs_are_told_apart_by_identity_not_by_their_arrays():
     jobs = [landing.LandingJob(**landing_fields), landing.LandingJob(**landing_fields)]
     jobs.remove(jobs[1])
     assert len(jobs) == 1
+
+
+def test_a_staged_transfers_failure_speaks_of_the_callers_buffer_not_the_pools():
+    """Writes of a staged transfer read from the pool: when the peer dies, the pool chunk is not yet safe,
+    but the caller's GPU buffer is (only finished copies read it). The caller gets the same kind of error,
+    safe, with the pool's error as its cause (a killed peer on the GPU machine showed wait_safe False)."""
+    from fabriclab.engine import InvalidDescriptor, PeerLost, _as_the_callers, _Safety
+    pool_safety, callers = _Safety(1), _Safety(1)
+    lost = PeerLost("no NIC reaches the peer any more", buffer_safe=False, safety=pool_safety)
+    mine = _as_the_callers(lost, True, callers)
+    assert type(mine) is PeerLost and mine.buffer_safe and mine.wait_safe(0.1) and mine.__cause__ is lost
+    assert str(mine) == "no NIC reaches the peer any more (local buffer is safe to reuse)"
+    later = _as_the_callers(lost, False, callers)  # a target's lanes: safe once the writes are reported
+    assert not later.buffer_safe and not later.wait_safe(0.05)
+    callers.settle(True)
+    assert later.wait_safe(0.05)
+    forged = InvalidDescriptor("forged")
+    assert _as_the_callers(forged, True, callers) is forged
