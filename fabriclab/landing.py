@@ -156,6 +156,14 @@ class ControlChannel:
 # ----------------------------------------------------------------------------------- the copiers
 
 
+def lane_copies(entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A lane's pages (packed one after another in the lane, FILLED's (destination, length) entries) as
+    copies (lane offset, destination, length), neighbouring pages joined (staging.copy_runs)."""
+    lengths = entries["length"].astype(np.int64)
+    in_lane = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    return staging.copy_runs(in_lane, entries["dst"].astype(np.int64), lengths)
+
+
 class HostCopier:
     """Copies landed pages with memmove: host-memory staged targets (a private switch the tests use to run
     the whole protocol without a GPU; see Engine._register_staged_host)."""
@@ -165,10 +173,8 @@ class HostCopier:
 
     def start(self, lane: int, source: int, destination: int, entries: np.ndarray) -> None:
         started = time.perf_counter()
-        offset = 0
-        for dst, length in entries:
-            ctypes.memmove(destination + int(dst), source + offset, int(length))
-            offset += int(length)
+        for src, dst, length in zip(*lane_copies(entries)):
+            ctypes.memmove(destination + int(dst), source + int(src), int(length))
         self.seconds += time.perf_counter() - started
 
     def finished(self, lane: int) -> bool:
@@ -197,12 +203,10 @@ class CudaCopier:
         d.cuCtxSetCurrent(self.context)
         stream = self.streams[lane % len(self.streams)]
         gpu._ok(d.cuEventRecord(self.started[lane], stream), "cuEventRecord")
-        offset = 0
         try:
-            for dst, length in entries:
-                gpu._ok(d.cuMemcpyHtoDAsync(destination + int(dst), source + offset, int(length), stream),
+            for src, dst, length in zip(*lane_copies(entries)):
+                gpu._ok(d.cuMemcpyHtoDAsync(destination + int(dst), source + int(src), int(length), stream),
                         "cuMemcpyHtoDAsync")
-                offset += int(length)
             gpu._ok(d.cuEventRecord(self.copied[lane], stream), "cuEventRecord")
         except gpu.CudaError:
             d.cuStreamSynchronize(stream)  # nothing of ours may still read the lane

@@ -159,6 +159,19 @@ class PinnedPool:
 # ------------------------------------------------------------------------------------- the stager
 
 
+def copy_runs(src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Copies of ``lengths[i]`` bytes from ``src[i]`` to ``dst[i]`` (byte offsets), as fewer copies: pieces
+    that continue the previous one on both sides join it. Each CUDA copy call costs microseconds of the
+    staging thread, so a chunk of contiguous pages is one call, not one per page."""
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    lengths = np.asarray(lengths, np.int64)
+    if src.size == 0:
+        return src, dst, lengths
+    joins = (src[1:] == src[:-1] + lengths[:-1]) & (dst[1:] == dst[:-1] + lengths[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    return src[starts], dst[starts], np.add.reduceat(lengths, starts)
+
+
 @dataclass(eq=False)  # identity: queues remove it, and numpy fields cannot be compared
 class StagedJob:
     """One transfer from a staged region: write i moves lengths[i] bytes from byte src[i] of the GPU region
@@ -307,7 +320,7 @@ class Stager:
             d = self.pool.driver
             try:
                 gpu._ok(d.cuEventRecord(self.started[slot], stream), "cuEventRecord")
-                for host, src, length in zip(chunk.src, job.src[job.next_write:end], chunk.lengths):
+                for src, host, length in zip(*copy_runs(job.src[job.next_write:end], chunk.src, chunk.lengths)):
                     gpu._ok(d.cuMemcpyDtoHAsync(self.pool.pointer + int(host), job.pointer + int(src), int(length),
                                                stream), "cuMemcpyDtoHAsync")
                 gpu._ok(d.cuEventRecord(self.copied[slot], stream), "cuEventRecord")

@@ -459,3 +459,12 @@ def test_a_staged_transfers_failure_speaks_of_the_callers_buffer_not_the_pools()
     assert later.wait_safe(0.05)
     forged = InvalidDescriptor("forged")
     assert _as_the_callers(forged, True, callers) is forged
+
+
+def test_copies_join_pages_that_continue_each_other_on_both_sides():
+    src, dst, lengths = staging.copy_runs([0, 10, 20, 50, 60], [100, 110, 120, 0, 200], [10, 10, 10, 10, 10])
+    assert src.tolist() == [0, 50, 60] and dst.tolist() == [100, 0, 200] and lengths.tolist() == [30, 10, 10]
+    assert [a.size for a in staging.copy_runs([], [], [])] == [0, 0, 0]
+    entries = np.array([(4096, 4096), (8192, 4096), (0, 4096)], dtype=[("dst", "<u8"), ("length", "<u4")])
+    lane, region, sizes = landing.lane_copies(entries)  # pages packed in the lane, in FILLED's order
+    assert lane.tolist() == [0, 8192] and region.tolist() == [4096, 0] and sizes.tolist() == [8192, 4096]
