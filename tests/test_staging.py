@@ -4,6 +4,7 @@ torch with CUDA; the others run anywhere: there a staged target in host memory (
 copied with memmove) runs the landing protocol for real."""
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -232,6 +233,32 @@ def test_killed_writer_leaves_the_staged_target_serving(fabric):
                                   np.arange(8, 16), PAGE, imm=5).result(30)
         assert result.pages == 8 and target.expect(5, 8).result(10) == 8
         assert np.all(landed[8 * PAGE:] == 5)
+
+
+def test_a_writer_stopped_past_its_lease_never_mixes_into_the_next_owners_lanes(fabric):
+    """SIGSTOP a writer mid-stream for longer than the target's lease (its lanes go to others), then SIGCONT
+    it while another writer streams: every page of the other writer lands as it wrote it."""
+    with staged_target(fabric, timeout=2) as target, writer_engine(fabric) as survivor:
+        landed = np.zeros(32 * PAGE, np.uint8)
+        descriptor = target._register_staged_host(landed).descriptor()
+        packed = bootstrap.pack(target.address, descriptor).hex()
+        stopped = subprocess.Popen([sys.executable, WRITER, fabric[0], fabric[1] or "-", packed, "100000", "4"],
+                                   stdout=subprocess.PIPE, text=True)
+        try:
+            assert target.expect(4, 20).result(30) == 20  # it writes pages 0-15
+            stopped.send_signal(signal.SIGSTOP)
+            time.sleep(3)  # past the lease: lanes it held go back to the pool
+            peer = survivor.connect(target.address)
+            region = survivor.register(np.full(16 * PAGE, 5, np.uint8))
+            stopped.send_signal(signal.SIGCONT)
+            for _ in range(20):
+                landed[16 * PAGE:] = 0
+                peer.write_pages(region, np.arange(16), descriptor, np.arange(16, 32), PAGE, imm=5).result(30)
+                assert target.expect(5, 16).result(10) == 16
+                assert np.all(landed[16 * PAGE:] == 5)
+        finally:
+            stopped.kill()
+            stopped.wait(10)
 
 
 # ------------------------------------------------------------------------------------- with a GPU
