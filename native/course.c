@@ -140,10 +140,15 @@ static void *writer_thread(void *arg) {
         if (progressed) {
             passes++;
             t->last_progress_ns = fl_now_ns();
-        } else if ((++passes & 255) == 0 && t->remaining) {
-            for (int i = 0; i < t->ngroups; i++)
-                if (t->groups[i].completed < t->groups[i].quota && check_timeout(t, t->groups[i].nics[0]) < 0)
-                    goto out;
+        } else {
+            /* nothing came back: a thread this one keeps from its core (the target's, on a small box) may
+             * be the one that would make progress; let it run now rather than at the next tick */
+            if ((++passes & 1023) == 0) sched_yield();
+            if ((passes & 255) == 0 && t->remaining) {
+                for (int i = 0; i < t->ngroups; i++)
+                    if (t->groups[i].completed < t->groups[i].quota && check_timeout(t, t->groups[i].nics[0]) < 0)
+                        goto out;
+            }
         }
     }
 out:
@@ -287,7 +292,7 @@ static void *target_thread(void *arg) {
     struct fi_cq_data_entry entries[CQ_BATCH];
     if (staging_thread_setup(e)) return NULL;
     uint64_t last_arrival = fl_now_ns(), first_seen = 0, last_seen = 0;
-    uint64_t passes = 0;
+    uint64_t passes = 0, idle_passes = 0;
     while (!stopping(e)) {
         int got_any = 0;
         for (int i = t->id; i < e->nnics; i += t->threads) {
@@ -341,6 +346,7 @@ static void *target_thread(void *arg) {
             got_any = 1;
         }
         if (got_any) last_arrival = fl_now_ns();
+        else if ((idle_passes++ & 1023) == 1023) sched_yield(); /* as the writers do: give way to a thread with work */
         uint64_t expected = __atomic_load_n(&e->expected_arrivals, __ATOMIC_RELAXED);
         if (__atomic_load_n(&e->arrivals, __ATOMIC_RELAXED) >= expected) break;
         if ((++passes & 1023) == 0 && expected != UINT64_MAX && fl_now_ns() - last_arrival > t->timeout_ns) {
