@@ -356,17 +356,22 @@ def test_torch_cuda_target_lands_byte_exact(gpu_engine, source_memory):
             assert stats["landing_copy_seconds"] > 0
 
 
+def owned_by(buffer):
+    """An array over ``buffer``'s GPU memory that does not keep it alive: freeing the buffer frees the memory
+    under a registered region, as an owner that drops its tensor would."""
+    class Owned:
+        __cuda_array_interface__ = {"shape": (buffer.length,), "typestr": "|u1", "data": (buffer.pointer, False),
+                                    "version": 3}
+
+    return Owned()
+
+
 @pytest.mark.gpu
 @needs_torch_cuda
 def test_gpu_target_freed_by_its_owner_fails_the_writer_typed(gpu_engine):
     buffer = memory.CudaBuffer(2 * MiB)
-
-    class Owned:
-        __cuda_array_interface__ = {"shape": (2 * MiB,), "typestr": "|u1", "data": (buffer.pointer, False),
-                                    "version": 3}
-
     with Engine("shm", pin=False, timeout=20, staging_bytes=8 * MiB, staging_chunk_bytes=MiB) as target_engine:
-        target_region = target_engine.register(Owned())
+        target_region = target_engine.register(owned_by(buffer))
         if not target_region.lands:
             pytest.skip("direct registration pins the memory: freeing it under the NIC is the provider's business")
         descriptor = target_region.descriptor()
@@ -434,12 +439,7 @@ def test_bad_gpu_inputs(gpu_engine):
 @needs_torch_cuda
 def test_gpu_memory_freed_by_its_owner_is_refused(gpu_engine):
     buffer = memory.CudaBuffer(2 * MiB)
-
-    class Owned:
-        __cuda_array_interface__ = {"shape": (2 * MiB,), "typestr": "|u1", "data": (buffer.pointer, False),
-                                    "version": 3}
-
-    region = gpu_engine.register(Owned())
+    region = gpu_engine.register(owned_by(buffer))
     if not region.staged:
         pytest.skip("direct registration pins the memory: freeing it under the NIC is the provider's business")
     peer_proc = PeerProcess(("shm", None), 2 * MiB)
