@@ -211,17 +211,29 @@ def test_killed_staged_target_fails_the_writer_typed(fabric):
         target.kill()
 
 
+def writer_process_writing(fabric, target, landed):
+    """``landed`` as a staged target of ``target``, and tests/hostile_writer.py in another process writing
+    pages of 4s into its pages 0-15 one transfer at a time, once 20 have landed: (descriptor, process)."""
+    descriptor = target._register_staged_host(landed).descriptor()
+    packed = bootstrap.pack(target.address, descriptor).hex()
+    writer = subprocess.Popen([sys.executable, WRITER, fabric[0], fabric[1] or "-", packed, "100000", "4"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.expect(4, 20).result(30) == 20  # it writes
+    except BaseException:
+        writer.kill()
+        writer.wait(10)
+        raise
+    return descriptor, writer
+
+
 def test_killed_writer_leaves_the_staged_target_serving(fabric):
     """A writer killed while it holds lanes: the target's expect fails typed at its deadline, the lanes come
     back when their lease (the target's timeout) runs out, and other writers land again."""
     with staged_target(fabric, timeout=3) as target, writer_engine(fabric) as survivor:
         landed = np.zeros(16 * PAGE, np.uint8)
-        descriptor = target._register_staged_host(landed).descriptor()
-        packed = bootstrap.pack(target.address, descriptor).hex()
-        killed = subprocess.Popen([sys.executable, WRITER, fabric[0], fabric[1] or "-", packed, "100000", "4"],
-                                  stdout=subprocess.PIPE, text=True)
+        descriptor, killed = writer_process_writing(fabric, target, landed)
         try:
-            assert target.expect(4, 20).result(30) == 20  # it writes
             killed.kill()
             killed.wait(10)
         finally:
@@ -240,12 +252,8 @@ def test_a_writer_stopped_past_its_lease_never_mixes_into_the_next_owners_lanes(
     it while another writer streams: every page of the other writer lands as it wrote it."""
     with staged_target(fabric, timeout=2) as target, writer_engine(fabric) as survivor:
         landed = np.zeros(32 * PAGE, np.uint8)
-        descriptor = target._register_staged_host(landed).descriptor()
-        packed = bootstrap.pack(target.address, descriptor).hex()
-        stopped = subprocess.Popen([sys.executable, WRITER, fabric[0], fabric[1] or "-", packed, "100000", "4"],
-                                   stdout=subprocess.PIPE, text=True)
+        descriptor, stopped = writer_process_writing(fabric, target, landed)  # into pages 0-15
         try:
-            assert target.expect(4, 20).result(30) == 20  # it writes pages 0-15
             stopped.send_signal(signal.SIGSTOP)
             time.sleep(3)  # past the lease: lanes it held go back to the pool
             peer = survivor.connect(target.address)
