@@ -89,6 +89,8 @@ COMMANDS = {
              "fabriclab.__main__", "main_info", "add_info_arguments"),
     "bench": ("the one benchmark harness: Gbps, Mops/s, ns of CPU per write, memcpy ceiling",
               "fabriclab.tools.bench", "main", "add_arguments"),
+    "fanin": ("many writer processes into one target engine: pages/s in all and per writer, exact counts, "
+              "byte-exact", "fabriclab.tools.fanin", "main", "add_arguments"),
     "tour": ("run every lesson headless and print the measured figures beside the article's",
              "fabriclab.course.tour", "main", "add_arguments"),
     "testbed": ("two network namespaces joined by N shaped veth links, a small p5: up, down, status, link-down, "
