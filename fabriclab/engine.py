@@ -69,10 +69,12 @@ class TransferError(fi.FabriclabError, RuntimeError):
     """A transfer could not finish. ``buffer_safe``: no write of it can still read the local buffer.
 
     When it is False, ``wait_safe(timeout)`` waits for the moment it becomes true (the provider reported
-    every write the engine gave up on) and says whether it came."""
+    every write the engine gave up on) and says whether it came. The message says it too, except where no
+    local buffer was ever involved (``about_buffer=False``: ``Engine.connect``, ``Engine.expect``)."""
 
-    def __init__(self, message: str, buffer_safe: bool, safety: "_Safety | None" = None):
-        super().__init__(f"{message} (local buffer {'is' if buffer_safe else 'is NOT yet'} safe to reuse)")
+    def __init__(self, message: str, buffer_safe: bool, safety: "_Safety | None" = None, *, about_buffer: bool = True):
+        note = f" (local buffer {'is' if buffer_safe else 'is NOT yet'} safe to reuse)" if about_buffer else ""
+        super().__init__(message + note)
         self.buffer_safe = buffer_safe
         self._safety = safety
 
@@ -121,8 +123,13 @@ class RegionClosed(TransferError):
 class InvalidDescriptor(TransferError, ValueError):
     """A region descriptor or engine address that is forged, truncated, or for another engine."""
 
-    def __init__(self, message: str):
-        super().__init__(message, buffer_safe=True)
+    def __init__(self, message: str, *, about_buffer: bool = True):
+        super().__init__(message, buffer_safe=True, about_buffer=about_buffer)
+
+
+def _bad_address(message: str) -> InvalidDescriptor:
+    """What ``Engine.connect`` raises for an address it cannot use: no buffer is involved, none is mentioned."""
+    return InvalidDescriptor(message, about_buffer=False)
 
 
 class OutOfRange(TransferError, IndexError):
@@ -317,14 +324,15 @@ def _seal(body: bytes) -> bytes:
 
 
 def _unseal(data, magic: bytes, what: str) -> bytes:
+    invalid = _bad_address if magic == _ADDRESS_MAGIC else InvalidDescriptor
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise InvalidDescriptor(f"{what} must be bytes, not {type(data).__name__}")
+        raise invalid(f"{what} must be bytes, not {type(data).__name__}")
     data = bytes(data)
     if len(data) < 12 or data[:4] != magic:
-        raise InvalidDescriptor(f"not a fabriclab {what} (truncated or from something else)")
+        raise invalid(f"not a fabriclab {what} (truncated or from something else)")
     body, crc = data[:-4], struct.unpack("<I", data[-4:])[0]
     if zlib.crc32(body) != crc:
-        raise InvalidDescriptor(f"{what} is corrupt or truncated: its checksum does not match")
+        raise invalid(f"{what} is corrupt or truncated: its checksum does not match")
     return body
 
 
@@ -595,23 +603,23 @@ def _parse_address(address) -> tuple[int, list, bytes]:
     else."""
     body = _unseal(address, _ADDRESS_MAGIC, "engine address")
     if len(body) < 4 + 10:
-        raise InvalidDescriptor("engine address is truncated: it has no NIC count")
+        raise _bad_address("engine address is truncated: it has no NIC count")
     engine_id, n = struct.unpack_from("<QH", body, 4)
     offset, addresses = 4 + 10, []
     for i in range(n):
         if offset + 2 > len(body):
-            raise InvalidDescriptor("engine address is truncated")
+            raise _bad_address("engine address is truncated")
         size = struct.unpack_from("<H", body, offset)[0]
         raw = body[offset + 2:offset + 2 + size]
         if size == 0 or len(raw) != size:
-            raise InvalidDescriptor(f"engine address is malformed: NIC entry {i} is {'empty' if size == 0 else 'cut short'}")
+            raise _bad_address(f"engine address is malformed: NIC entry {i} is {'empty' if size == 0 else 'cut short'}")
         try:
             addresses.append(fi.Address.from_bytes(raw))
         except fi.UsageError as exc:
-            raise InvalidDescriptor(f"engine address is malformed: NIC entry {i}: {exc}") from None
+            raise _bad_address(f"engine address is malformed: NIC entry {i}: {exc}") from None
         offset += 2 + size
     if offset + len(host_identity()) != len(body) or not addresses:
-        raise InvalidDescriptor("engine address is truncated or malformed")
+        raise _bad_address("engine address is truncated or malformed")
     return engine_id, addresses, body[offset:]
 
 
@@ -634,7 +642,7 @@ class Peer:
             try:
                 self.fi_addrs.append(known if known is not None else slot.av.insert(address))
             except fi.UsageError as exc:
-                raise InvalidDescriptor(f"engine address does not fit this engine: {exc}") from None
+                raise _bad_address(f"engine address does not fit this engine: {exc}") from None
             service.av_entries[(slot.index, address.raw)] = self.fi_addrs[-1]
         self.closed = False
         self._next_nic = 0
@@ -1406,7 +1414,7 @@ class _Service:
             self.in_use.clear()
             for _, _, future, _ in self.expectations:
                 if not future.done():
-                    future.set_exception(TransferError("the engine was closed", buffer_safe=True))
+                    future.set_exception(TransferError("the engine was closed", buffer_safe=True, about_buffer=False))
             self.expectations.clear()
             self.retired_regions.clear()
             # the reaper calls into the native engine too: one that did not stop (this is not it) keeps it alive
@@ -1466,11 +1474,13 @@ class _Service:
         try:
             work(item, *args)
         except Exception as exc:
-            future = item[2] if isinstance(item, tuple) else self.in_use.get(item, (None,))[0]
+            expectation = isinstance(item, tuple)  # an expect(): it reads no buffer
+            future = item[2] if expectation else self.in_use.get(item, (None,))[0]
             logging.getLogger("fabriclab").exception("the engine failed to account for a transfer")
             if future is not None and not future.done():
-                future.set_exception(TransferError(f"the engine failed to account for this transfer: {exc!r}",
-                                                   buffer_safe=False))
+                future.set_exception(TransferError(f"the engine failed to account for this "
+                                                   f"{'expectation' if expectation else 'transfer'}: {exc!r}",
+                                                   buffer_safe=expectation, about_buffer=not expectation))
 
     def _counters(self, tid: int) -> tuple[int, int, int]:
         """(writes left, first error, abandoned writes still posted) of transfer id ``tid``."""
@@ -1511,7 +1521,7 @@ class _Service:
                 future.set_result(count)
             elif not future.cancelled():
                 future.set_exception(TransferTimeout(f"{count} writes carrying imm {imm} did not all arrive in time",
-                                                     buffer_safe=True))
+                                                     buffer_safe=True, about_buffer=False))
 
     def _expire(self, now: float) -> None:
         """Fail pending transfers whose deadline passed or whose region was closed; their ids stay in use

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed,
+from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed, TransferError,
                        TransferTimeout, bootstrap, fi, gpu)
 from conftest import open_fds
 
@@ -205,6 +205,25 @@ def test_forged_and_truncated_descriptors_and_addresses(fabric, engine):
                 engine.connect(bad)
     finally:
         peer_proc.close()
+
+
+def test_errors_of_calls_without_a_buffer_never_mention_one(engine):
+    """Issue 21: connect() and expect() read no local buffer, so their errors say nothing about one; a write's
+    errors still do."""
+    for bad in (b"nonsense", None, engine.address[:-3]):
+        with pytest.raises(InvalidDescriptor) as err:
+            engine.connect(bad)
+        assert "buffer" not in str(err.value), err.value
+    with pytest.raises(TransferTimeout, match="imm 78") as err:
+        engine.expect(78, 1, timeout=0.2).result(5)
+    assert "buffer" not in str(err.value), err.value
+    region = engine.register(bytearray(PAGE))
+    with pytest.raises(OutOfRange, match=r"\(local buffer is safe to reuse\)$"):
+        engine.connect(engine.address).write(region, region.descriptor(), dst_offset=1, length=PAGE)
+    pending = engine.expect(79, 1)
+    engine.close()
+    with pytest.raises(TransferError, match="^the engine was closed$"):
+        pending.result(5)
 
 
 def test_pages_out_of_range_are_refused_before_any_post(fabric, engine):
