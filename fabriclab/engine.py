@@ -689,15 +689,22 @@ class Peer:
         """Write ``length`` bytes (default: the rest of the local region) from ``src_offset`` of
         ``local_region`` to ``dst_offset`` of the peer's region, split into ``stripe_bytes`` pieces over
         the NICs. With ``imm``, every piece carries it (``Transfer.writes`` pieces: the peer expects that
-        many)."""
+        many). A zero-length write is refused (UsageError), as is a negative length: a length computed
+        wrong is better noticed than skipped; leave the call out where there is nothing to write."""
         remote = self._remote(remote_descriptor)
         src_offset, dst_offset = _integer(src_offset, "src_offset"), _integer(dst_offset, "dst_offset")
-        length = local_region.length - src_offset if length is None else _integer(length, "length")
+        if length is not None and _integer(length, "length") == 0:
+            raise fi.UsageError("length=0: a zero-length write moves nothing, and is refused so that a length "
+                                "computed wrong is noticed; leave the call out where there is nothing to write")
+        length = None if length is None else _integer(length, "length", 1)
         stripe_bytes = _integer(stripe_bytes, "stripe_bytes", 1)
-        if length <= 0 or src_offset < 0 or dst_offset < 0 or src_offset + length > local_region.length:
+        if not 0 <= src_offset < local_region.length:
+            raise OutOfRange(f"src_offset {src_offset} is outside the {local_region.length}-byte local region")
+        length = local_region.length - src_offset if length is None else length
+        if src_offset + length > local_region.length:
             raise OutOfRange(f"local bytes [{src_offset}, {src_offset + length}) are outside the "
                              f"{local_region.length}-byte region")
-        if dst_offset + length > remote.length:
+        if dst_offset < 0 or dst_offset + length > remote.length:
             raise OutOfRange(f"remote bytes [{dst_offset}, {dst_offset + length}) are outside the peer's "
                              f"{remote.length}-byte region")
         starts = np.arange(0, length, stripe_bytes, dtype=np.int64)

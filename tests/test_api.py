@@ -226,6 +226,24 @@ def test_errors_of_calls_without_a_buffer_never_mention_one(engine):
         pending.result(5)
 
 
+def test_a_zero_length_write_and_bad_offsets_are_named(engine):
+    """Issue 21: write(length=0) is a UsageError saying so (not "[0, 0) outside" the region); a negative length
+    is a bad value, not a range; a bad destination offset is blamed on the remote side, never the local."""
+    region = engine.register(bytearray(4 * PAGE))
+    peer, descriptor = engine.connect(engine.address), engine.register(bytearray(4 * PAGE)).descriptor()
+    with pytest.raises(fi.UsageError, match="length=0: a zero-length write moves nothing"):
+        peer.write(region, descriptor, length=0)
+    with pytest.raises(fi.UsageError, match="length must be at least 1, got -5"):
+        peer.write(region, descriptor, length=-5)
+    for options, message in (({"src_offset": 4 * PAGE}, f"src_offset {4 * PAGE} is outside the {4 * PAGE}-byte local"),
+                             ({"src_offset": -1}, f"src_offset -1 is outside the {4 * PAGE}-byte local"),
+                             ({"dst_offset": -1, "length": 10}, "remote bytes \\[-1, 9\\) are outside"),
+                             ({"dst_offset": PAGE}, f"remote bytes \\[{PAGE}, {5 * PAGE}\\) are outside")):
+        with pytest.raises(OutOfRange, match=message):
+            peer.write(region, descriptor, **options)
+    assert sum(n["writes"] for n in engine.stats()["per_nic"]) == 0
+
+
 def test_pages_out_of_range_are_refused_before_any_post(fabric, engine):
     peer_proc = PeerProcess(fabric, 2 * PAGE)
     try:
