@@ -202,6 +202,19 @@ def _pages(values, side: str) -> np.ndarray:
     return array.astype(np.int64).reshape(-1)
 
 
+def _first_overlap(sources: np.ndarray, destinations: np.ndarray, size: int) -> tuple[int, int] | None:
+    """(i, j) such that ``size`` bytes from sources[i] and from destinations[j] share a byte; None if no pair
+    does. Sorted once: for each source, only the last destination starting before its end can overlap it."""
+    order = np.argsort(destinations, kind="stable")
+    starts = destinations[order]
+    last = np.searchsorted(starts, sources + size, side="left") - 1
+    hit = (last >= 0) & (starts[np.maximum(last, 0)] > sources - size)
+    if not hit.any():
+        return None
+    i = int(np.argmax(hit))
+    return i, int(order[last[i]])
+
+
 # ---------------------------------------------------------------------------------------- results
 
 
@@ -427,6 +440,7 @@ class Region:
     written from, and has no descriptor, since peers cannot write into it."""
 
     _ids = itertools.count(1)
+    _live: "weakref.WeakValueDictionary[int, Region]" = weakref.WeakValueDictionary()  # ids are process-wide
 
     def __init__(self, engine: "Engine", obj, staged_host: bool = False):
         kind, pointer, length, device, keep, readonly = _buffer_view(obj)
@@ -437,6 +451,7 @@ class Region:
         self.device = device if kind == "cuda" else None
         self.readonly = readonly
         self.id = next(self._ids)
+        Region._live[self.id] = self  # a write from memory of this process into it can be checked for overlap
         self._keep = keep
         self.path, self.why = "host" if kind == "host" else "cuda-direct", ""
         access = fi.ACCESS_SOURCE if readonly else fi.ACCESS_ALL  # read-only: a source only
@@ -598,6 +613,28 @@ def coalesce_pages(src: np.ndarray, dst: np.ndarray, most: int) -> tuple[np.ndar
     return src[first], dst[first], np.minimum(most, lengths[run] - within).astype(np.uint64)
 
 
+def _refuse_overlap(local: Region, remote: RemoteRegion, src: np.ndarray, dst: np.ndarray, size: int,
+                    pages: bool) -> None:
+    """Refuse a transfer that reads bytes it also writes: its writes run in no order (RDMA promises none, and a
+    run of pages is one copy), so what landed would depend on timing — pages 0..7 onto 1..8 of one region
+    landed page 0 in all nine. ``src``, ``dst``: first pages (``pages``) or first bytes of ``size``-byte pieces.
+    Only this process's memory can be seen: the peer is this engine (loopback) or another engine here."""
+    target = Region._live.get(remote.region_id)
+    if target is None or target.engine.id != remote.engine_id or target.kind != local.kind:
+        return
+    scale = size if pages else 1
+    pair = _first_overlap(local.address + src * scale, target.address + dst * scale, size)
+    if pair is None:
+        return
+    i, j = pair
+    what = (f"source page {src[i]} and destination page {dst[j]}" if pages else
+            f"source bytes [{src[i]}, {src[i] + size}) and destination bytes [{dst[j]}, {dst[j] + size})")
+    regions = "one region" if target is local else f"regions {local.id} and {target.id}, which share memory,"
+    raise fi.UsageError(f"{what} of {regions} overlap: the writes of a transfer run in no order, so what lands "
+                        "would depend on timing. Copy through a second buffer, or split the transfer so that "
+                        "none reads a byte another one still in flight writes")
+
+
 def _parse_address(address) -> tuple[int, list, bytes]:
     """(engine id, per-NIC fi.Address, host identity) of an Engine.address; InvalidDescriptor for anything
     else."""
@@ -690,7 +727,10 @@ class Peer:
         ``local_region`` to ``dst_offset`` of the peer's region, split into ``stripe_bytes`` pieces over
         the NICs. With ``imm``, every piece carries it (``Transfer.writes`` pieces: the peer expects that
         many). A zero-length write is refused (UsageError), as is a negative length: a length computed
-        wrong is better noticed than skipped; leave the call out where there is nothing to write."""
+        wrong is better noticed than skipped; leave the call out where there is nothing to write.
+        Source and destination bytes must not overlap (a write within one region, or between regions that
+        share memory): the writes of a transfer run in no order, so a UsageError refuses it where the
+        destination is memory of this process; nobody can check it for memory of another."""
         remote = self._remote(remote_descriptor)
         src_offset, dst_offset = _integer(src_offset, "src_offset"), _integer(dst_offset, "dst_offset")
         if length is not None and _integer(length, "length") == 0:
@@ -707,6 +747,7 @@ class Peer:
         if dst_offset < 0 or dst_offset + length > remote.length:
             raise OutOfRange(f"remote bytes [{dst_offset}, {dst_offset + length}) are outside the peer's "
                              f"{remote.length}-byte region")
+        _refuse_overlap(local_region, remote, np.array([src_offset]), np.array([dst_offset]), length, pages=False)
         starts = np.arange(0, length, stripe_bytes, dtype=np.int64)
         lengths = np.minimum(stripe_bytes, length - starts).astype(np.uint64)
         return self.engine._service.submit(self, local_region, remote, src_offset + starts, dst_offset + starts, 1,
@@ -718,7 +759,8 @@ class Peer:
         over the NICs, batched and posted lazily by the engine's threads. Runs of pages contiguous on both
         sides go as one write each, of at most 1 MiB and leaving at least one write per NIC
         (``Transfer.writes`` says how many writes it became); with ``imm``, the peer's ``Engine.expect``
-        still counts pages: each write carries how many it moves."""
+        still counts pages: each write carries how many it moves. No source page may overlap a
+        destination page (pages moved within one region): see :meth:`write`."""
         remote = self._remote(remote_descriptor)
         page_size = _integer(page_size, "page_size", 1)
         src, dst = _pages(src_pages, "local"), _pages(dst_pages, "remote")
@@ -730,6 +772,7 @@ class Peer:
                 bad = pages[(pages < 0) | (pages >= last)][0]
                 raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
                                  f"{side} region")
+        _refuse_overlap(local_region, remote, src, dst, page_size, pages=True)
         service = self.engine._service
         # a staged region's writes leave from pool chunks, and land in lanes, one per page: no runs to join
         most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)

@@ -244,6 +244,31 @@ def test_a_zero_length_write_and_bad_offsets_are_named(engine):
     assert sum(n["writes"] for n in engine.stats()["per_nic"]) == 0
 
 
+def test_a_write_that_reads_bytes_it_writes_is_refused(engine):
+    """Issue 21: pages 0..7 -> 1..8 of one region landed page 0 in all nine (a run of pages is one copy, and
+    the writes of a transfer run in no order). A transfer whose source and destination share a byte is refused,
+    whether one region is both ends or two regions share the memory; disjoint pages of one region still move."""
+    data = np.repeat(np.arange(9, dtype=np.uint8), PAGE)
+    region = engine.register(data)
+    peer, descriptor = engine.connect(engine.address), region.descriptor()
+    upper = engine.register(data[4 * PAGE:])  # the same memory from page 4 on
+    refused = [(lambda: peer.write_pages(region, range(8), descriptor, range(1, 9), PAGE),
+                "source page 1 and destination page 1 of one region overlap"),
+               (lambda: peer.write_pages(region, [3], descriptor, [3], PAGE), "source page 3 and destination page 3"),
+               (lambda: peer.write(region, descriptor, dst_offset=PAGE - 1, length=PAGE),
+                rf"source bytes \[0, {PAGE}\) and destination bytes \[{PAGE - 1}, {2 * PAGE - 1}\)"),
+               (lambda: peer.write_pages(region, [0, 5], upper.descriptor(), [3, 1], PAGE),
+                f"source page 5 and destination page 1 of regions {region.id} and {upper.id}, which share memory")]
+    for call, message in refused:
+        with pytest.raises(fi.UsageError, match=message):
+            call()
+    assert sum(n["writes"] for n in engine.stats()["per_nic"]) == 0
+    assert (data == np.repeat(np.arange(9, dtype=np.uint8), PAGE)).all()
+    peer.write_pages(region, [0, 1], descriptor, [7, 8], PAGE).result(10)
+    peer.write(region, descriptor, dst_offset=PAGE, length=PAGE).result(10)  # adjacent, not overlapping
+    assert list(data[::PAGE]) == [0, 0, 2, 3, 4, 5, 6, 0, 1]
+
+
 def test_pages_out_of_range_are_refused_before_any_post(fabric, engine):
     peer_proc = PeerProcess(fabric, 2 * PAGE)
     try:
