@@ -24,6 +24,8 @@ import concurrent.futures
 import errno
 import itertools
 import logging
+import math
+import numbers
 import operator
 import os
 import queue
@@ -296,13 +298,29 @@ _CALLBACKS = _Callbacks()
 
 class _AwaitableFuture(concurrent.futures.Future):
     """A ``concurrent.futures.Future`` that can also be awaited under asyncio. Its done-callbacks run on
-    their own thread, never on the engine's."""
+    their own thread, never on the engine's. ``result(timeout)`` and ``exception(timeout)``: None or inf
+    waits until it is done (it has a deadline of its own), 0 polls; nan, negatives and non-numbers are
+    refused (the standard Future raises an empty TimeoutError at once for them, or OverflowError for inf)."""
+
+    def result(self, timeout: float | None = None):
+        return super().result(_wait_limit(timeout))
+
+    def exception(self, timeout: float | None = None):
+        return super().exception(_wait_limit(timeout))
 
     def add_done_callback(self, fn) -> None:
         super().add_done_callback(lambda future: _CALLBACKS.run(fn, future))
 
     def __await__(self):
         return asyncio.wrap_future(self).__await__()
+
+
+def _wait_limit(timeout) -> float | None:
+    if timeout is None or isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout == math.inf:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise fi.UsageError(f"timeout must be None (wait until done), 0 (poll) or seconds to wait, got {timeout!r}")
+    return float(timeout)
 
 
 class Transfer(_AwaitableFuture):
@@ -613,6 +631,12 @@ def coalesce_pages(src: np.ndarray, dst: np.ndarray, most: int) -> tuple[np.ndar
     return src[first], dst[first], np.minimum(most, lengths[run] - within).astype(np.uint64)
 
 
+def _check_region(region) -> None:
+    if not isinstance(region, Region):
+        raise fi.UsageError(f"the local region must be a Region of this engine (Engine.register), got "
+                            f"{type(region).__name__}")
+
+
 def _refuse_overlap(local: Region, remote: RemoteRegion, src: np.ndarray, dst: np.ndarray, size: int,
                     pages: bool) -> None:
     """Refuse a transfer that reads bytes it also writes: its writes run in no order (RDMA promises none, and a
@@ -732,6 +756,7 @@ class Peer:
         share memory): the writes of a transfer run in no order, so a UsageError refuses it where the
         destination is memory of this process; nobody can check it for memory of another."""
         remote = self._remote(remote_descriptor)
+        _check_region(local_region)
         src_offset, dst_offset = _integer(src_offset, "src_offset"), _integer(dst_offset, "dst_offset")
         if length is not None and _integer(length, "length") == 0:
             raise fi.UsageError("length=0: a zero-length write moves nothing, and is refused so that a length "
@@ -762,6 +787,7 @@ class Peer:
         still counts pages: each write carries how many it moves. No source page may overlap a
         destination page (pages moved within one region): see :meth:`write`."""
         remote = self._remote(remote_descriptor)
+        _check_region(local_region)
         page_size = _integer(page_size, "page_size", 1)
         src, dst = _pages(src_pages, "local"), _pages(dst_pages, "remote")
         if src.size != dst.size or src.size == 0:

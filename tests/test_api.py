@@ -269,6 +269,23 @@ def test_a_write_that_reads_bytes_it_writes_is_refused(engine):
     assert list(data[::PAGE]) == [0, 0, 2, 3, 4, 5, 6, 0, 1]
 
 
+def test_bad_waits_and_regions_are_usage_errors(engine):
+    """Issue 21's sweep: Transfer.result(nan) or (-1) raised an empty TimeoutError at once (the transfer
+    may well be fine) and result(inf) an OverflowError; a write from something not a Region an
+    AttributeError."""
+    region, target = engine.register(bytearray(2 * PAGE)), engine.register(bytearray(2 * PAGE))
+    peer, descriptor = engine.connect(engine.address), target.descriptor()
+    transfer = peer.write_pages(region, [0], descriptor, [1], PAGE)
+    for timeout in (float("nan"), -1, "1", True):
+        for wait in (transfer.result, transfer.exception, engine.expect(3, 1, timeout=5).result):
+            with pytest.raises(fi.UsageError, match=f"timeout must be None .* got {timeout!r}"):
+                wait(timeout)
+    assert transfer.result(float("inf")).bytes == PAGE  # no limit but the transfer's own deadline
+    for call in (lambda: peer.write(bytearray(PAGE), descriptor), lambda: peer.write_pages(None, [0], descriptor, [0], PAGE)):
+        with pytest.raises(fi.UsageError, match="a Region of this engine"):
+            call()
+
+
 def test_pages_out_of_range_are_refused_before_any_post(fabric, engine):
     peer_proc = PeerProcess(fabric, 2 * PAGE)
     try:
