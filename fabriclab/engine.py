@@ -26,7 +26,6 @@ import itertools
 import logging
 import math
 import numbers
-import operator
 import os
 import queue
 import secrets
@@ -171,18 +170,7 @@ _PEER_GONE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.EN
 # ------------------------------------------------------------------------------------ input checks
 
 
-def _integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
-    """An integer (numpy integers too; never a float or bool, which would be silently truncated)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise fi.UsageError(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise fi.UsageError(f"{name} must be an integer, got {value!r}") from None
-    if minimum is not None and value < minimum or maximum is not None and value > maximum:
-        bounds = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-        raise fi.UsageError(f"{name} must be {bounds}, got {value}")
-    return value
+_integer = fi.integer  # every entry point's rule for integers
 
 
 _INT64_MAX = 2 ** 63 - 1

@@ -281,7 +281,8 @@ def test_bad_waits_and_regions_are_usage_errors(engine):
             with pytest.raises(fi.UsageError, match=f"timeout must be None .* got {timeout!r}"):
                 wait(timeout)
     assert transfer.result(float("inf")).bytes == PAGE  # no limit but the transfer's own deadline
-    for call in (lambda: peer.write(bytearray(PAGE), descriptor), lambda: peer.write_pages(None, [0], descriptor, [0], PAGE)):
+    for call in (lambda: peer.write(bytearray(PAGE), descriptor),
+                 lambda: peer.write_pages(None, [0], descriptor, [0], PAGE)):
         with pytest.raises(fi.UsageError, match="a Region of this engine"):
             call()
 
