@@ -857,7 +857,7 @@ class Engine:
         options = {
             "nics": None if nics is None else _integer(nics, "nics", 1, _native.MAX_NICS),
             "threads": None if threads is None else _integer(threads, "threads", 1, _native.MAX_THREADS),
-            "batch": _integer(batch, "batch", 1, 1 << 16),
+            "batch": _integer(batch, "batch", 1, _native.MAX_BATCH),
             "in_flight": None if in_flight is None else _integer(in_flight, "in_flight", 1)}
         self.id = secrets.randbits(63) | 1
         chunk = _integer(staging_chunk_bytes, "staging_chunk_bytes", 4096)
