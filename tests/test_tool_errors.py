@@ -65,6 +65,29 @@ def test_counts_are_bounded_whatever_the_stage(option, value, message, capsys):
     assert build_parser().parse_args(["bench", "--threads", str(CORES)]).threads == CORES
 
 
+def test_topo_draw_to_a_path_it_cannot_write_says_so(tmp_path):
+    """Issue 21: ``topo --draw /nonexistent/x.svg`` printed a raw traceback. A path in a missing or unwritable
+    directory, a directory, or a format matplotlib does not write is refused before the machine is looked at."""
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o500)
+    cases = [("/nonexistent/x.svg", "the directory /nonexistent does not exist"),
+             (str(tmp_path / "x.doc"), "'.doc' is not a format matplotlib writes: name a .png, .svg or .pdf file"),
+             (str(tmp_path), "is a directory: name a file"),
+             (str(tmp_path / "x"), "'' is not a format matplotlib writes")]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append((str(readonly / "x.png"), f"the directory {readonly} is not writable"))
+    for path, message in cases:
+        done = subprocess.run([sys.executable, "-m", "fabriclab", "topo", "--recorded", "p5.48xlarge", "--draw", path],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done
+        assert f"argument --draw: '{path}': {message}" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and not done.stdout
+    # /proc takes no new files, whatever access() says: the save itself fails, and says so
+    done = subprocess.run([sys.executable, "-m", "fabriclab", "topo", "--recorded", "p5.48xlarge", "--draw",
+                           "/proc/x.png"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "/proc/x.png" in done.stderr and "Traceback" not in done.stderr, done
+
+
 def test_connect_to_a_server_that_is_gone_says_so(fabric):
     with start_server("fabriclab.multi_nic", *provider_args(*fabric)) as server:
         address = server.address_hex
