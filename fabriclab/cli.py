@@ -103,7 +103,7 @@ def parse_size(text: str | int) -> int:
     number = t[:-1] if scale > 1 else t
     try:
         return int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf
         raise ValueError(f"{text!r} is not a size (examples: 4096, 64K, 1M, 2G)") from None
 
 
