@@ -17,6 +17,7 @@ from .nics import NicSet
 
 RING_CAPACITY = 4096  # pending writes per NIC (fl_nic.ring)
 MAX_NICS, MAX_THREADS = lib.FL_MAX_NICS, lib.FL_MAX_THREADS
+MAX_BATCH = 1 << 16  # writes enqueued per pass: far more than any queue takes at once
 NO_IMM = lib.FL_NO_IMM  # the immediate data of a write whose caller gave none (targets still see traffic)
 # A caller's immediate data fits the low FL_IMM_VALUE_BITS bits; the bits above carry how many pages a write
 # moves (minus one), so a coalesced write counts as its pages at the target: at most MAX_PAGES_PER_WRITE.

@@ -21,6 +21,7 @@ FI_MORE hang on EFA and turned it off; this rule is what prevents one.)
 from __future__ import annotations
 
 from . import cli, fi, multi_nic, threaded
+from ._native import MAX_BATCH
 from .threaded import ThreadedWriter
 
 DEFAULT_BATCH = 16
@@ -51,7 +52,7 @@ def add_batch_options(parser) -> None:
     """Chapters 11-13's options plus posting's (chapters 14-15): every stage's, as the final stage takes all."""
     threaded.add_thread_options(parser)
     options = parser.add_argument_group("posting (chapters 14-15)")
-    options.add_argument("--batch", type=int, default=DEFAULT_BATCH,
+    options.add_argument("--batch", type=cli.count("writes enqueued per pass", MAX_BATCH), default=DEFAULT_BATCH,
                          help="writes enqueued per pass (default %(default)s)")
     options.add_argument("--no-lazy", dest="lazy", action="store_false", help="chapter 14: post on every enqueue")
     options.add_argument("--fi-more", action="store_true", help="FI_MORE on all but the last write of each run")

@@ -8,7 +8,9 @@ you like (your RPC, a file, a key-value store).
         peer_bytes = r.exchange(my_bytes)
 
 Binds to 127.0.0.1 unless told otherwise; every wait has a timeout. Where a deployment already has a
-torch.distributed store or an MPI communicator, ``allgather`` swaps the same bytes through it.
+torch.distributed store or an MPI communicator, ``allgather`` swaps the same bytes through it. Payloads are
+bytes-like (bytes, bytearray, memoryview, a numpy array); anything else (text, a number, None) is a
+UsageError, as are a rank or port that is no integer and a timeout that is not a finite positive number.
 """
 from __future__ import annotations
 
@@ -19,6 +21,17 @@ from . import fi
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20
+
+
+def _bytes(value, what: str) -> bytes:
+    """A bytes-like ``value`` as bytes; UsageError for anything else (bytes() would turn 3 into three zero
+    bytes, and a str into a TypeError)."""
+    try:
+        return bytes(memoryview(value))
+    except TypeError:
+        hint = ": encode text first (.encode())" if isinstance(value, str) else ""
+        raise fi.UsageError(f"{what} must be bytes (bytes, bytearray, memoryview), got {type(value).__name__}"
+                            f"{hint}") from None
 
 
 def _send(sock: socket.socket, payload: bytes) -> None:
@@ -46,11 +59,13 @@ def _recv(sock: socket.socket) -> bytes:
 def pack(*parts: bytes) -> bytes:
     """Several byte strings as one message (each length-prefixed): e.g. ``pack(engine.address,
     region.descriptor())``."""
-    return b"".join(_LENGTH.pack(len(p)) + bytes(p) for p in parts)
+    parts = [_bytes(p, "every part") for p in parts]
+    return b"".join(_LENGTH.pack(len(p)) + p for p in parts)
 
 
 def unpack(data: bytes) -> list[bytes]:
     """The byte strings ``pack`` put together."""
+    data = _bytes(data, "a bootstrap message")
     parts, offset = [], 0
     while offset < len(data):
         if offset + _LENGTH.size > len(data):
@@ -67,14 +82,15 @@ class Rendezvous:
     """The listening side: ``exchange(payload)`` waits for one peer, receives its bytes, sends ours."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0):
-        self.timeout = timeout
-        self._listener = socket.create_server((host, port))
+        self.timeout = fi.seconds(timeout, "timeout")
+        self._listener = socket.create_server((host, fi.integer(port, "port", 0, 65535)))
         self._listener.settimeout(timeout)
         self.host, self.port = self._listener.getsockname()[:2]
 
     def exchange(self, payload: bytes) -> bytes:
         """Wait for the next peer (``fi.FabricTimeout`` after ``timeout`` seconds), receive its bytes, send it
         ``payload``; returns its bytes."""
+        payload = _bytes(payload, "payload")
         try:
             conn, _ = self._listener.accept()
         except socket.timeout:
@@ -82,7 +98,7 @@ class Rendezvous:
         with conn:
             conn.settimeout(self.timeout)
             theirs = _recv(conn)
-            _send(conn, bytes(payload))
+            _send(conn, payload)
             return theirs
 
     def close(self) -> None:
@@ -99,9 +115,11 @@ class Rendezvous:
 
 def exchange(port: int, payload: bytes, host: str = "127.0.0.1", timeout: float = 30.0) -> bytes:
     """The connecting side: send our bytes to a Rendezvous, return theirs."""
+    payload, port = _bytes(payload, "payload"), fi.integer(port, "port", 1, 65535)
+    timeout = fi.seconds(timeout, "timeout")
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.settimeout(timeout)
-        _send(sock, bytes(payload))
+        _send(sock, payload)
         return _recv(sock)
 
 
@@ -121,7 +139,7 @@ def allgather(payload: bytes, *, store=None, rank: int | None = None, world_size
 
     Neither torch nor mpi4py is a dependency: nothing is imported until used. Waits at most ``timeout``
     seconds for the other ranks (``fi.FabricTimeout``) where the store can wait."""
-    payload = bytes(payload)
+    payload, timeout = _bytes(payload, "payload"), fi.seconds(timeout, "timeout")
     if store is None:
         if comm is None:
             try:
@@ -131,10 +149,14 @@ def allgather(payload: bytes, *, store=None, rank: int | None = None, world_size
                                     "world_size=) or comm= (an mpi4py communicator); mpi4py is not installed "
                                     "for a default COMM_WORLD") from None
             comm = MPI.COMM_WORLD
-        return [bytes(p) for p in comm.allgather(payload)]
-    if rank is None or world_size is None or not 0 <= rank < world_size:
+        return [_bytes(p, f"rank {r}'s payload from the communicator") for r, p in enumerate(comm.allgather(payload))]
+    if rank is None or world_size is None:
         raise fi.UsageError(f"a store exchange needs rank and world_size with 0 <= rank < world_size, got rank "
                             f"{rank} of {world_size}")
+    world_size = fi.integer(world_size, "world_size", 1)
+    rank = fi.integer(rank, "rank", 0, world_size - 1)
+    if not isinstance(key, str) or not key:
+        raise fi.UsageError(f"key must be a non-empty str (the store's keys are KEY/RANK), got {key!r}")
     keys = [f"{key}/{r}" for r in range(world_size)]
     store.set(keys[rank], payload)
     if hasattr(store, "wait"):
@@ -144,4 +166,9 @@ def allgather(payload: bytes, *, store=None, rank: int | None = None, world_size
         except Exception as exc:  # torch raises its own DistStoreError/RuntimeError on timeout
             raise fi.FabricTimeout(f"all {world_size} ranks setting {key!r}/RANK in the store", timeout,
                                    f"{type(exc).__name__}: {exc}") from None
-    return [bytes(store.get(k)) for k in keys]
+    values = [store.get(k) for k in keys]
+    for k, value in zip(keys, values):
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise fi.UsageError(f"the store's value of {k!r} is {type(value).__name__}, not bytes: a store that "
+                                "hands back what was set (torch.distributed's do) is needed")
+    return [bytes(v) for v in values]

@@ -58,6 +58,22 @@ def positive_size(text: str) -> int:
     return value
 
 
+def count(name: str, most: int | Callable[[], int] | None = None, why: str = "") -> Callable[[str], int]:
+    """argparse type for a count (--threads, --nics, ...): a whole number from 1 to ``most`` (a callable is
+    asked when the option is given: this machine's cores, say), refused with ``why`` said, whatever the stage
+    (one that does not use the option still refuses it: a typo is noticed, not ignored)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = text  # not a whole number: fi.integer says what it must be
+        try:
+            return fi.integer(value, name, 1, most() if callable(most) else most)
+        except fi.UsageError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}{f' ({why})' if why else ''}") from None
+    return parse
+
+
 def positive_seconds(text: str) -> float:
     """argparse type for deadlines (--timeout): fi.seconds' rule, from the command line."""
     return _seconds(text, None)
@@ -87,7 +103,7 @@ def parse_size(text: str | int) -> int:
     number = t[:-1] if scale > 1 else t
     try:
         return int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf
         raise ValueError(f"{text!r} is not a size (examples: 4096, 64K, 1M, 2G)") from None
 
 

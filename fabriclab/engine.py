@@ -24,7 +24,8 @@ import concurrent.futures
 import errno
 import itertools
 import logging
-import operator
+import math
+import numbers
 import os
 import queue
 import secrets
@@ -69,10 +70,12 @@ class TransferError(fi.FabriclabError, RuntimeError):
     """A transfer could not finish. ``buffer_safe``: no write of it can still read the local buffer.
 
     When it is False, ``wait_safe(timeout)`` waits for the moment it becomes true (the provider reported
-    every write the engine gave up on) and says whether it came."""
+    every write the engine gave up on) and says whether it came. The message says it too, except where no
+    local buffer was ever involved (``about_buffer=False``: ``Engine.connect``, ``Engine.expect``)."""
 
-    def __init__(self, message: str, buffer_safe: bool, safety: "_Safety | None" = None):
-        super().__init__(f"{message} (local buffer {'is' if buffer_safe else 'is NOT yet'} safe to reuse)")
+    def __init__(self, message: str, buffer_safe: bool, safety: "_Safety | None" = None, *, about_buffer: bool = True):
+        note = f" (local buffer {'is' if buffer_safe else 'is NOT yet'} safe to reuse)" if about_buffer else ""
+        super().__init__(message + note)
         self.buffer_safe = buffer_safe
         self._safety = safety
 
@@ -121,8 +124,13 @@ class RegionClosed(TransferError):
 class InvalidDescriptor(TransferError, ValueError):
     """A region descriptor or engine address that is forged, truncated, or for another engine."""
 
-    def __init__(self, message: str):
-        super().__init__(message, buffer_safe=True)
+    def __init__(self, message: str, *, about_buffer: bool = True):
+        super().__init__(message, buffer_safe=True, about_buffer=about_buffer)
+
+
+def _bad_address(message: str) -> InvalidDescriptor:
+    """What ``Engine.connect`` raises for an address it cannot use: no buffer is involved, none is mentioned."""
+    return InvalidDescriptor(message, about_buffer=False)
 
 
 class OutOfRange(TransferError, IndexError):
@@ -162,18 +170,7 @@ _PEER_GONE = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.EN
 # ------------------------------------------------------------------------------------ input checks
 
 
-def _integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
-    """An integer (numpy integers too; never a float or bool, which would be silently truncated)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise fi.UsageError(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise fi.UsageError(f"{name} must be an integer, got {value!r}") from None
-    if minimum is not None and value < minimum or maximum is not None and value > maximum:
-        bounds = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
-        raise fi.UsageError(f"{name} must be {bounds}, got {value}")
-    return value
+_integer = fi.integer  # every entry point's rule for integers
 
 
 _INT64_MAX = 2 ** 63 - 1
@@ -193,6 +190,19 @@ def _pages(values, side: str) -> np.ndarray:
     if array.size and array.dtype.kind == "u" and array.max() > _INT64_MAX:
         raise OutOfRange(f"{side} page {int(array.max())} is outside any region")
     return array.astype(np.int64).reshape(-1)
+
+
+def _first_overlap(sources: np.ndarray, destinations: np.ndarray, size: int) -> tuple[int, int] | None:
+    """(i, j) such that ``size`` bytes from sources[i] and from destinations[j] share a byte; None if no pair
+    does. Sorted once: for each source, only the last destination starting before its end can overlap it."""
+    order = np.argsort(destinations, kind="stable")
+    starts = destinations[order]
+    last = np.searchsorted(starts, sources + size, side="left") - 1
+    hit = (last >= 0) & (starts[np.maximum(last, 0)] > sources - size)
+    if not hit.any():
+        return None
+    i = int(np.argmax(hit))
+    return i, int(order[last[i]])
 
 
 # ---------------------------------------------------------------------------------------- results
@@ -276,13 +286,29 @@ _CALLBACKS = _Callbacks()
 
 class _AwaitableFuture(concurrent.futures.Future):
     """A ``concurrent.futures.Future`` that can also be awaited under asyncio. Its done-callbacks run on
-    their own thread, never on the engine's."""
+    their own thread, never on the engine's. ``result(timeout)`` and ``exception(timeout)``: None or inf
+    waits until it is done (it has a deadline of its own), 0 polls; nan, negatives and non-numbers are
+    refused (the standard Future raises an empty TimeoutError at once for them, or OverflowError for inf)."""
+
+    def result(self, timeout: float | None = None):
+        return super().result(_wait_limit(timeout))
+
+    def exception(self, timeout: float | None = None):
+        return super().exception(_wait_limit(timeout))
 
     def add_done_callback(self, fn) -> None:
         super().add_done_callback(lambda future: _CALLBACKS.run(fn, future))
 
     def __await__(self):
         return asyncio.wrap_future(self).__await__()
+
+
+def _wait_limit(timeout) -> float | None:
+    if timeout is None or isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout == math.inf:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+        raise fi.UsageError(f"timeout must be None (wait until done), 0 (poll) or seconds to wait, got {timeout!r}")
+    return float(timeout)
 
 
 class Transfer(_AwaitableFuture):
@@ -317,14 +343,15 @@ def _seal(body: bytes) -> bytes:
 
 
 def _unseal(data, magic: bytes, what: str) -> bytes:
+    invalid = _bad_address if magic == _ADDRESS_MAGIC else InvalidDescriptor
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise InvalidDescriptor(f"{what} must be bytes, not {type(data).__name__}")
+        raise invalid(f"{what} must be bytes, not {type(data).__name__}")
     data = bytes(data)
     if len(data) < 12 or data[:4] != magic:
-        raise InvalidDescriptor(f"not a fabriclab {what} (truncated or from something else)")
+        raise invalid(f"not a fabriclab {what} (truncated or from something else)")
     body, crc = data[:-4], struct.unpack("<I", data[-4:])[0]
     if zlib.crc32(body) != crc:
-        raise InvalidDescriptor(f"{what} is corrupt or truncated: its checksum does not match")
+        raise invalid(f"{what} is corrupt or truncated: its checksum does not match")
     return body
 
 
@@ -419,6 +446,7 @@ class Region:
     written from, and has no descriptor, since peers cannot write into it."""
 
     _ids = itertools.count(1)
+    _live: "weakref.WeakValueDictionary[int, Region]" = weakref.WeakValueDictionary()  # ids are process-wide
 
     def __init__(self, engine: "Engine", obj, staged_host: bool = False):
         kind, pointer, length, device, keep, readonly = _buffer_view(obj)
@@ -429,6 +457,7 @@ class Region:
         self.device = device if kind == "cuda" else None
         self.readonly = readonly
         self.id = next(self._ids)
+        Region._live[self.id] = self  # a write from memory of this process into it can be checked for overlap
         self._keep = keep
         self.path, self.why = "host" if kind == "host" else "cuda-direct", ""
         access = fi.ACCESS_SOURCE if readonly else fi.ACCESS_ALL  # read-only: a source only
@@ -590,28 +619,56 @@ def coalesce_pages(src: np.ndarray, dst: np.ndarray, most: int) -> tuple[np.ndar
     return src[first], dst[first], np.minimum(most, lengths[run] - within).astype(np.uint64)
 
 
+def _check_region(region) -> None:
+    if not isinstance(region, Region):
+        raise fi.UsageError(f"the local region must be a Region of this engine (Engine.register), got "
+                            f"{type(region).__name__}")
+
+
+def _refuse_overlap(local: Region, remote: RemoteRegion, src: np.ndarray, dst: np.ndarray, size: int,
+                    pages: bool) -> None:
+    """Refuse a transfer that reads bytes it also writes: its writes run in no order (RDMA promises none, and a
+    run of pages is one copy), so what landed would depend on timing — pages 0..7 onto 1..8 of one region
+    landed page 0 in all nine. ``src``, ``dst``: first pages (``pages``) or first bytes of ``size``-byte pieces.
+    Only this process's memory can be seen: the peer is this engine (loopback) or another engine here."""
+    target = Region._live.get(remote.region_id)
+    if target is None or target.engine.id != remote.engine_id or target.kind != local.kind:
+        return
+    scale = size if pages else 1
+    pair = _first_overlap(local.address + src * scale, target.address + dst * scale, size)
+    if pair is None:
+        return
+    i, j = pair
+    what = (f"source page {src[i]} and destination page {dst[j]}" if pages else
+            f"source bytes [{src[i]}, {src[i] + size}) and destination bytes [{dst[j]}, {dst[j] + size})")
+    regions = "one region" if target is local else f"regions {local.id} and {target.id}, which share memory,"
+    raise fi.UsageError(f"{what} of {regions} overlap: the writes of a transfer run in no order, so what lands "
+                        "would depend on timing. Copy through a second buffer, or split the transfer so that "
+                        "none reads a byte another one still in flight writes")
+
+
 def _parse_address(address) -> tuple[int, list, bytes]:
     """(engine id, per-NIC fi.Address, host identity) of an Engine.address; InvalidDescriptor for anything
     else."""
     body = _unseal(address, _ADDRESS_MAGIC, "engine address")
     if len(body) < 4 + 10:
-        raise InvalidDescriptor("engine address is truncated: it has no NIC count")
+        raise _bad_address("engine address is truncated: it has no NIC count")
     engine_id, n = struct.unpack_from("<QH", body, 4)
     offset, addresses = 4 + 10, []
     for i in range(n):
         if offset + 2 > len(body):
-            raise InvalidDescriptor("engine address is truncated")
+            raise _bad_address("engine address is truncated")
         size = struct.unpack_from("<H", body, offset)[0]
         raw = body[offset + 2:offset + 2 + size]
         if size == 0 or len(raw) != size:
-            raise InvalidDescriptor(f"engine address is malformed: NIC entry {i} is {'empty' if size == 0 else 'cut short'}")
+            raise _bad_address(f"engine address is malformed: NIC entry {i} is {'empty' if size == 0 else 'cut short'}")
         try:
             addresses.append(fi.Address.from_bytes(raw))
         except fi.UsageError as exc:
-            raise InvalidDescriptor(f"engine address is malformed: NIC entry {i}: {exc}") from None
+            raise _bad_address(f"engine address is malformed: NIC entry {i}: {exc}") from None
         offset += 2 + size
     if offset + len(host_identity()) != len(body) or not addresses:
-        raise InvalidDescriptor("engine address is truncated or malformed")
+        raise _bad_address("engine address is truncated or malformed")
     return engine_id, addresses, body[offset:]
 
 
@@ -634,7 +691,7 @@ class Peer:
             try:
                 self.fi_addrs.append(known if known is not None else slot.av.insert(address))
             except fi.UsageError as exc:
-                raise InvalidDescriptor(f"engine address does not fit this engine: {exc}") from None
+                raise _bad_address(f"engine address does not fit this engine: {exc}") from None
             service.av_entries[(slot.index, address.raw)] = self.fi_addrs[-1]
         self.closed = False
         self._next_nic = 0
@@ -681,17 +738,29 @@ class Peer:
         """Write ``length`` bytes (default: the rest of the local region) from ``src_offset`` of
         ``local_region`` to ``dst_offset`` of the peer's region, split into ``stripe_bytes`` pieces over
         the NICs. With ``imm``, every piece carries it (``Transfer.writes`` pieces: the peer expects that
-        many)."""
+        many). A zero-length write is refused (UsageError), as is a negative length: a length computed
+        wrong is better noticed than skipped; leave the call out where there is nothing to write.
+        Source and destination bytes must not overlap (a write within one region, or between regions that
+        share memory): the writes of a transfer run in no order, so a UsageError refuses it where the
+        destination is memory of this process; nobody can check it for memory of another."""
         remote = self._remote(remote_descriptor)
+        _check_region(local_region)
         src_offset, dst_offset = _integer(src_offset, "src_offset"), _integer(dst_offset, "dst_offset")
-        length = local_region.length - src_offset if length is None else _integer(length, "length")
+        if length is not None and _integer(length, "length") == 0:
+            raise fi.UsageError("length=0: a zero-length write moves nothing, and is refused so that a length "
+                                "computed wrong is noticed; leave the call out where there is nothing to write")
+        length = None if length is None else _integer(length, "length", 1)
         stripe_bytes = _integer(stripe_bytes, "stripe_bytes", 1)
-        if length <= 0 or src_offset < 0 or dst_offset < 0 or src_offset + length > local_region.length:
+        if not 0 <= src_offset < local_region.length:
+            raise OutOfRange(f"src_offset {src_offset} is outside the {local_region.length}-byte local region")
+        length = local_region.length - src_offset if length is None else length
+        if src_offset + length > local_region.length:
             raise OutOfRange(f"local bytes [{src_offset}, {src_offset + length}) are outside the "
                              f"{local_region.length}-byte region")
-        if dst_offset + length > remote.length:
+        if dst_offset < 0 or dst_offset + length > remote.length:
             raise OutOfRange(f"remote bytes [{dst_offset}, {dst_offset + length}) are outside the peer's "
                              f"{remote.length}-byte region")
+        _refuse_overlap(local_region, remote, np.array([src_offset]), np.array([dst_offset]), length, pages=False)
         starts = np.arange(0, length, stripe_bytes, dtype=np.int64)
         lengths = np.minimum(stripe_bytes, length - starts).astype(np.uint64)
         return self.engine._service.submit(self, local_region, remote, src_offset + starts, dst_offset + starts, 1,
@@ -703,8 +772,10 @@ class Peer:
         over the NICs, batched and posted lazily by the engine's threads. Runs of pages contiguous on both
         sides go as one write each, of at most 1 MiB and leaving at least one write per NIC
         (``Transfer.writes`` says how many writes it became); with ``imm``, the peer's ``Engine.expect``
-        still counts pages: each write carries how many it moves."""
+        still counts pages: each write carries how many it moves. No source page may overlap a
+        destination page (pages moved within one region): see :meth:`write`."""
         remote = self._remote(remote_descriptor)
+        _check_region(local_region)
         page_size = _integer(page_size, "page_size", 1)
         src, dst = _pages(src_pages, "local"), _pages(dst_pages, "remote")
         if src.size != dst.size or src.size == 0:
@@ -715,6 +786,7 @@ class Peer:
                 bad = pages[(pages < 0) | (pages >= last)][0]
                 raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
                                  f"{side} region")
+        _refuse_overlap(local_region, remote, src, dst, page_size, pages=True)
         service = self.engine._service
         # a staged region's writes leave from pool chunks, and land in lanes, one per page: no runs to join
         most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
@@ -785,7 +857,7 @@ class Engine:
         options = {
             "nics": None if nics is None else _integer(nics, "nics", 1, _native.MAX_NICS),
             "threads": None if threads is None else _integer(threads, "threads", 1, _native.MAX_THREADS),
-            "batch": _integer(batch, "batch", 1, 1 << 16),
+            "batch": _integer(batch, "batch", 1, _native.MAX_BATCH),
             "in_flight": None if in_flight is None else _integer(in_flight, "in_flight", 1)}
         self.id = secrets.randbits(63) | 1
         chunk = _integer(staging_chunk_bytes, "staging_chunk_bytes", 4096)
@@ -1406,7 +1478,7 @@ class _Service:
             self.in_use.clear()
             for _, _, future, _ in self.expectations:
                 if not future.done():
-                    future.set_exception(TransferError("the engine was closed", buffer_safe=True))
+                    future.set_exception(TransferError("the engine was closed", buffer_safe=True, about_buffer=False))
             self.expectations.clear()
             self.retired_regions.clear()
             # the reaper calls into the native engine too: one that did not stop (this is not it) keeps it alive
@@ -1466,11 +1538,13 @@ class _Service:
         try:
             work(item, *args)
         except Exception as exc:
-            future = item[2] if isinstance(item, tuple) else self.in_use.get(item, (None,))[0]
+            expectation = isinstance(item, tuple)  # an expect(): it reads no buffer
+            future = item[2] if expectation else self.in_use.get(item, (None,))[0]
             logging.getLogger("fabriclab").exception("the engine failed to account for a transfer")
             if future is not None and not future.done():
-                future.set_exception(TransferError(f"the engine failed to account for this transfer: {exc!r}",
-                                                   buffer_safe=False))
+                future.set_exception(TransferError(f"the engine failed to account for this "
+                                                   f"{'expectation' if expectation else 'transfer'}: {exc!r}",
+                                                   buffer_safe=expectation, about_buffer=not expectation))
 
     def _counters(self, tid: int) -> tuple[int, int, int]:
         """(writes left, first error, abandoned writes still posted) of transfer id ``tid``."""
@@ -1511,7 +1585,7 @@ class _Service:
                 future.set_result(count)
             elif not future.cancelled():
                 future.set_exception(TransferTimeout(f"{count} writes carrying imm {imm} did not all arrive in time",
-                                                     buffer_safe=True))
+                                                     buffer_safe=True, about_buffer=False))
 
     def _expire(self, now: float) -> None:
         """Fail pending transfers whose deadline passed or whose region was closed; their ids stay in use

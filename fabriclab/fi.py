@@ -19,6 +19,7 @@ import errno as _errno
 import itertools
 import math
 import numbers
+import operator
 import os
 import signal
 import socket
@@ -139,6 +140,21 @@ class FabricTimeout(FabricError, TimeoutError):
 
 class UsageError(FabriclabError, ValueError):
     """Bad input detected before any libfabric call: the message names the problem and the fix."""
+
+
+def integer(value, name: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An integer (numpy's too); never a bool (numpy's either: named, not imported, since it is no int
+    subclass) or a float, which would be silently truncated."""
+    if type(value).__name__ in ("bool", "bool_"):
+        raise UsageError(f"{name} must be an integer, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise UsageError(f"{name} must be an integer, got {value!r}") from None
+    if minimum is not None and value < minimum or maximum is not None and value > maximum:
+        bounds = f"at least {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise UsageError(f"{name} must be {bounds}, got {value}")
+    return value
 
 
 def seconds(value, name: str, default: float | None = None, zero_means: str | None = None) -> float:

@@ -303,8 +303,11 @@ def add_engine_options(parser) -> None:
     """Chapter 7's options plus the NIC set's, the warm-up and failover."""
     opqueue.add_queue_options(parser)
     options = parser.add_argument_group("NICs and warm-up (chapters 9-10 on)")
-    options.add_argument("--nics", type=int, default=None, help="NIC slots (default: every domain; more = emulated)")
-    options.add_argument("--groups", type=int, default=1,
+    options.add_argument("--nics", default=None, help="NIC slots (default: every domain; more = emulated)",
+                         type=cli.count("NIC slots", lib.FL_MAX_NICS, "slots beyond this machine's NICs are emulated: "
+                                        "endpoints sharing a domain"))
+    options.add_argument("--groups", type=cli.count("GPU groups", lib.FL_MAX_NICS, "each drives NICs of its own"),
+                         default=1,
                          help="GPU groups the NICs are split into, all walked by one thread (default %(default)s; "
                               "from chapter 11 on --threads sets them, a thread each)")
     # One write per NIC is what the C engine's warm-up does (fl_config.warmup is a switch), hence no count.

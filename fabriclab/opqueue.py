@@ -123,7 +123,7 @@ def add_queue_options(parser) -> None:
     """Chapter 6's options plus the queue's depth."""
     rdma_write.add_transfer_options(parser)
     options = parser.add_argument_group("operation queue (chapter 7 on)")
-    options.add_argument("--in-flight", type=int, default=DEFAULT_IN_FLIGHT,
+    options.add_argument("--in-flight", type=cli.count("pages in flight"), default=DEFAULT_IN_FLIGHT,
                          help="writes in flight (per NIC from chapter 9 on; default %(default)s)")
     # Writes in flight move bytes far faster than chapter 6's one at a time: the default run is longer.
     parser.set_defaults(total="256M")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from . import cli, fi, multi_nic
+from ._fabric import lib
 from .multi_nic import MultiNicWriter
 
 
@@ -50,8 +51,10 @@ def add_thread_options(parser) -> None:
     """Chapters 9-10's options plus the worker threads' (chapters 11-13)."""
     multi_nic.add_engine_options(parser)
     options = parser.add_argument_group("threads (chapters 11-13 on)")
-    options.add_argument("--threads", type=int, default=1,
-                         help="worker threads, one per GPU group (default %(default)s)")
+    options.add_argument("--threads", default=1,
+                         type=cli.count("threads", lambda: min(os.cpu_count() or 1, lib.FL_MAX_THREADS),
+                                        "at most one per core of this machine: a worker thread polls without rest"),
+                         help="worker threads, one per GPU group, at most one per core (default %(default)s)")
     options.add_argument("--no-pin", dest="pin", action="store_false", help="chapter 11: let the OS place threads")
     options.add_argument("--no-shard", dest="shard", action="store_false",
                          help="chapters 11-12: shared atomic counters")

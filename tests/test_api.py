@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed,
+from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed, TransferError,
                        TransferTimeout, bootstrap, fi, gpu)
 from conftest import open_fds
 
@@ -205,6 +205,86 @@ def test_forged_and_truncated_descriptors_and_addresses(fabric, engine):
                 engine.connect(bad)
     finally:
         peer_proc.close()
+
+
+def test_errors_of_calls_without_a_buffer_never_mention_one(engine):
+    """Issue 21: connect() and expect() read no local buffer, so their errors say nothing about one; a write's
+    errors still do."""
+    for bad in (b"nonsense", None, engine.address[:-3]):
+        with pytest.raises(InvalidDescriptor) as err:
+            engine.connect(bad)
+        assert "buffer" not in str(err.value), err.value
+    with pytest.raises(TransferTimeout, match="imm 78") as err:
+        engine.expect(78, 1, timeout=0.2).result(5)
+    assert "buffer" not in str(err.value), err.value
+    region = engine.register(bytearray(PAGE))
+    with pytest.raises(OutOfRange, match=r"\(local buffer is safe to reuse\)$"):
+        engine.connect(engine.address).write(region, region.descriptor(), dst_offset=1, length=PAGE)
+    pending = engine.expect(79, 1)
+    engine.close()
+    with pytest.raises(TransferError, match="^the engine was closed$"):
+        pending.result(5)
+
+
+def test_a_zero_length_write_and_bad_offsets_are_named(engine):
+    """Issue 21: write(length=0) is a UsageError saying so (not "[0, 0) outside" the region); a negative length
+    is a bad value, not a range; a bad destination offset is blamed on the remote side, never the local."""
+    region = engine.register(bytearray(4 * PAGE))
+    peer, descriptor = engine.connect(engine.address), engine.register(bytearray(4 * PAGE)).descriptor()
+    with pytest.raises(fi.UsageError, match="length=0: a zero-length write moves nothing"):
+        peer.write(region, descriptor, length=0)
+    with pytest.raises(fi.UsageError, match="length must be at least 1, got -5"):
+        peer.write(region, descriptor, length=-5)
+    for options, message in (({"src_offset": 4 * PAGE}, f"src_offset {4 * PAGE} is outside the {4 * PAGE}-byte local"),
+                             ({"src_offset": -1}, f"src_offset -1 is outside the {4 * PAGE}-byte local"),
+                             ({"dst_offset": -1, "length": 10}, "remote bytes \\[-1, 9\\) are outside"),
+                             ({"dst_offset": PAGE}, f"remote bytes \\[{PAGE}, {5 * PAGE}\\) are outside")):
+        with pytest.raises(OutOfRange, match=message):
+            peer.write(region, descriptor, **options)
+    assert sum(n["writes"] for n in engine.stats()["per_nic"]) == 0
+
+
+def test_a_write_that_reads_bytes_it_writes_is_refused(engine):
+    """Issue 21: pages 0..7 -> 1..8 of one region landed page 0 in all nine (a run of pages is one copy, and
+    the writes of a transfer run in no order). A transfer whose source and destination share a byte is refused,
+    whether one region is both ends or two regions share the memory; disjoint pages of one region still move."""
+    data = np.repeat(np.arange(9, dtype=np.uint8), PAGE)
+    region = engine.register(data)
+    peer, descriptor = engine.connect(engine.address), region.descriptor()
+    upper = engine.register(data[4 * PAGE:])  # the same memory from page 4 on
+    refused = [(lambda: peer.write_pages(region, range(8), descriptor, range(1, 9), PAGE),
+                "source page 1 and destination page 1 of one region overlap"),
+               (lambda: peer.write_pages(region, [3], descriptor, [3], PAGE), "source page 3 and destination page 3"),
+               (lambda: peer.write(region, descriptor, dst_offset=PAGE - 1, length=PAGE),
+                rf"source bytes \[0, {PAGE}\) and destination bytes \[{PAGE - 1}, {2 * PAGE - 1}\)"),
+               (lambda: peer.write_pages(region, [0, 5], upper.descriptor(), [3, 1], PAGE),
+                f"source page 5 and destination page 1 of regions {region.id} and {upper.id}, which share memory")]
+    for call, message in refused:
+        with pytest.raises(fi.UsageError, match=message):
+            call()
+    assert sum(n["writes"] for n in engine.stats()["per_nic"]) == 0
+    assert (data == np.repeat(np.arange(9, dtype=np.uint8), PAGE)).all()
+    peer.write_pages(region, [0, 1], descriptor, [7, 8], PAGE).result(10)
+    peer.write(region, descriptor, dst_offset=PAGE, length=PAGE).result(10)  # adjacent, not overlapping
+    assert list(data[::PAGE]) == [0, 0, 2, 3, 4, 5, 6, 0, 1]
+
+
+def test_bad_waits_and_regions_are_usage_errors(engine):
+    """Issue 21's sweep: Transfer.result(nan) or (-1) raised an empty TimeoutError at once (the transfer
+    may well be fine) and result(inf) an OverflowError; a write from something not a Region an
+    AttributeError."""
+    region, target = engine.register(bytearray(2 * PAGE)), engine.register(bytearray(2 * PAGE))
+    peer, descriptor = engine.connect(engine.address), target.descriptor()
+    transfer = peer.write_pages(region, [0], descriptor, [1], PAGE)
+    for timeout in (float("nan"), -1, "1", True):
+        for wait in (transfer.result, transfer.exception, engine.expect(3, 1, timeout=5).result):
+            with pytest.raises(fi.UsageError, match=f"timeout must be None .* got {timeout!r}"):
+                wait(timeout)
+    assert transfer.result(float("inf")).bytes == PAGE  # no limit but the transfer's own deadline
+    for call in (lambda: peer.write(bytearray(PAGE), descriptor),
+                 lambda: peer.write_pages(None, [0], descriptor, [0], PAGE)):
+        with pytest.raises(fi.UsageError, match="a Region of this engine"):
+            call()
 
 
 def test_pages_out_of_range_are_refused_before_any_post(fabric, engine):

@@ -38,3 +38,12 @@ def test_rate_as_an_argparse_type():
 def test_format_size(n, text):
     assert cli.format_size(n) == text
     assert cli.parse_size(text.replace(" ", "")) == n
+
+
+@pytest.mark.parametrize("bad", ["inf", "-inf", "1e999", "nan", "4K.5", ""])
+def test_a_bad_size_says_what_a_size_looks_like(bad):
+    """Issue 21's sweep: ``bench --total inf`` ended in an OverflowError traceback."""
+    with pytest.raises(ValueError, match=r"is not a size \(examples: 4096, 64K"):
+        cli.parse_size(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a size"):
+        cli.positive_size(bad)

@@ -85,6 +85,41 @@ def test_bad_rank_and_no_transport_are_usage_errors():
             bootstrap.allgather(b"x")
 
 
+class TextStore(DictStore):
+    """A store that hands values back decoded, as text."""
+
+    def get(self, key):
+        return super().get(key).decode()
+
+
+def test_bad_types_are_usage_errors_that_name_the_fix():
+    """Issue 21: rank=True was taken for rank 1; a str payload or store value and unpack(str) or unpack(None)
+    raised a bare TypeError; an int payload became that many zero bytes; a nan timeout reached the store."""
+    store = DictStore()
+    for options, message in (({"rank": True, "world_size": 2}, "rank must be an integer, got True"),
+                             ({"rank": 1.0, "world_size": 2}, "rank must be an integer, got 1.0"),
+                             ({"rank": 0, "world_size": False}, "world_size must be an integer, got False"),
+                             ({"rank": 0, "world_size": 1, "timeout": float("nan")}, "timeout must be a finite"),
+                             ({"rank": 0, "world_size": 1, "key": 5}, "key must be a non-empty str")):
+        with pytest.raises(fi.UsageError, match=message):
+            bootstrap.allgather(b"x", store=store, **options)
+    for payload in ("text", 3, None):
+        with pytest.raises(fi.UsageError, match=f"payload must be bytes.*, got {type(payload).__name__}"):
+            bootstrap.allgather(payload, store=store, rank=0, world_size=1)
+    with pytest.raises(fi.UsageError, match="the store's value of 'text/0' is str, not bytes"):
+        bootstrap.allgather(b"x", store=TextStore(), rank=0, world_size=1, key="text")
+    with pytest.raises(fi.UsageError, match="encode text first"):
+        bootstrap.pack(b"ok", "text")
+    for data in ("abcdefgh", None, 5):
+        with pytest.raises(fi.UsageError, match=f"a bootstrap message must be bytes.*, got {type(data).__name__}"):
+            bootstrap.unpack(data)
+    assert bootstrap.unpack(memoryview(bootstrap.pack(b"a", bytearray(b"bc")))) == [b"a", b"bc"]
+    for bad in (lambda: bootstrap.Rendezvous(timeout=-1), lambda: bootstrap.exchange(-1, b"x"),
+                lambda: bootstrap.exchange(True, b"x"), lambda: bootstrap.exchange(1, b"x", timeout=float("inf"))):
+        with pytest.raises(fi.UsageError):
+            bad()
+
+
 class OneRankComm:
     """mpi4py's allgather on a communicator of one rank."""
 

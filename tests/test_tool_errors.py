@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fabriclab import multi_nic, unidirectional
+from fabriclab import batched, multi_nic, unidirectional
 from fabriclab.__main__ import build_parser
 from fabriclab.tools.peers import start_server
 from conftest import provider_args
@@ -35,6 +35,57 @@ def test_deadlines_must_be_finite_and_positive(parse, option, capsys):
     assert getattr(parse([f"{option}=0.5"]), option[2:].replace("-", "_")) == 0.5
     if link:
         assert parse([f"{option}=0"]).link_timeout == 0
+
+
+CORES = min(os.cpu_count() or 1, 256)  # and FL_MAX_THREADS
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--nics", "0", "NIC slots must be between 1 and 1024, got 0 (slots beyond this machine's NICs are emulated"),
+    ("--nics", "100000", "NIC slots must be between 1 and 1024, got 100000"),
+    ("--threads", "0", f"threads must be between 1 and {CORES}, got 0 (at most one per core of this machine"),
+    ("--threads", "1000", f"threads must be between 1 and {CORES}, got 1000"),
+    ("--threads", "1.5", "threads must be an integer, got '1.5'"),
+    ("--batch", "0", "writes enqueued per pass must be between 1 and 65536, got 0"),
+    ("--groups", "0", "GPU groups must be between 1 and 1024, got 0"),
+    ("--in-flight", "-1", "pages in flight must be at least 1, got -1"),
+])
+def test_counts_are_bounded_whatever_the_stage(option, value, message, capsys):
+    """Issue 21: bench took --nics 0 / 100000, --threads 0 / 1000 and --batch 0 on its default stage, which
+    does not use them. Refused by argparse, as a bad deadline is, by bench and by the stages that share them."""
+    parsers = [lambda argv: build_parser().parse_args(["bench", *argv]),
+               lambda argv: batched.build_parser().parse_args(["connect", ADDRESS, *argv])]
+    for parse in parsers:
+        with pytest.raises(SystemExit) as exit_:
+            parse([option, value])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {option}: '{value}': {message}" in err, err
+        assert getattr(parse([option, "1"]), option[2:].replace("-", "_")) == 1
+    assert build_parser().parse_args(["bench", "--threads", str(CORES)]).threads == CORES
+
+
+def test_topo_draw_to_a_path_it_cannot_write_says_so(tmp_path):
+    """Issue 21: ``topo --draw /nonexistent/x.svg`` printed a raw traceback. A path in a missing or unwritable
+    directory, a directory, or a format matplotlib does not write is refused before the machine is looked at."""
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o500)
+    cases = [("/nonexistent/x.svg", "the directory /nonexistent does not exist"),
+             (str(tmp_path / "x.doc"), "'.doc' is not a format matplotlib writes: name a .png, .svg or .pdf file"),
+             (str(tmp_path), "is a directory: name a file"),
+             (str(tmp_path / "x"), "'' is not a format matplotlib writes")]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append((str(readonly / "x.png"), f"the directory {readonly} is not writable"))
+    for path, message in cases:
+        done = subprocess.run([sys.executable, "-m", "fabriclab", "topo", "--recorded", "p5.48xlarge", "--draw", path],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done
+        assert f"argument --draw: '{path}': {message}" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and not done.stdout
+    # /proc takes no new files, whatever access() says: the save itself fails, and says so
+    done = subprocess.run([sys.executable, "-m", "fabriclab", "topo", "--recorded", "p5.48xlarge", "--draw",
+                           "/proc/x.png"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "/proc/x.png" in done.stderr and "Traceback" not in done.stderr, done
 
 
 def test_connect_to_a_server_that_is_gone_says_so(fabric):
