@@ -1,5 +1,6 @@
 """Stale shm regions: processes SIGKILLed with an shm Engine open leave their /dev/shm regions; the cleaner
-removes those and never a live process's.
+removes those and never a live process's, not even one in a pid namespace it cannot see (issue 26: processes
+in pid namespaces of their own, unshare --pid, share the test's /dev/shm as containers run with --ipc=host do).
 
 Each test gets its own /dev/shm (a tmpfs in a private mount namespace): other test runs on this machine
 start Engines, which reclaim stale regions, and must neither take this test's killed owner's region from
@@ -215,6 +216,33 @@ def test_an_engine_start_reclaims_a_killed_engine_of_its_namespace_and_its_recor
     assert done.returncode == 0, done.stderr
     assert shared_shm.regions_of(dead.pid) == [] and shared_shm.records() == []
     assert regions
+
+
+# In a pid namespace of its own: an owner SIGKILLed, then an Engine start; prints what the owner left before and
+# after it, as JSON.
+KILLED_THEN_START = """
+import json, subprocess, sys
+from pathlib import Path
+from fabriclab import Engine
+owner = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+assert owner.stdout.readline().strip() == "ready"
+owner.kill()
+owner.wait()
+def left():
+    return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"{owner.pid}:")
+                  or f".pid{owner.pid}." in p.name)
+before = left()
+Engine("shm", nics=1).close()
+print(json.dumps([before, left()]))
+"""
+
+
+def test_an_engine_start_in_a_pid_namespace_of_its_own_reclaims_its_killed_engines(shared_shm):
+    done = shared_shm.python("-c", KILLED_THEN_START, OWNER, pid_namespace=True)
+    assert done.returncode == 0, done.stderr
+    before, after = json.loads(done.stdout)
+    assert [n for n in before if n.startswith("fabriclab-engine.")] and len(before) >= 2  # a region and the record
+    assert after == []
 
 
 def test_clean_in_a_pid_namespace_of_its_own_refuses_unless_forced(shared_shm):
