@@ -98,8 +98,9 @@ COMMANDS = {
     "doctor": ("check this machine for the course and the library (a p5 first of all): provider, fabric, NICs, "
                "immediate data, GPU memory path, same-host path, GPU <-> NIC groups, cores; a verdict and a fix "
                "per item", "fabriclab.tools.doctor", "main", "add_arguments"),
-    "clean": ("remove the shared-memory regions (/dev/shm) that killed processes left behind; --dry-run lists "
-              "them", "fabriclab.shmclean", "main", "add_arguments"),
+    "clean": ("remove the shared-memory regions (/dev/shm) that killed processes left behind, where every owner "
+              "is visible (others are listed as left; --force takes them too); --dry-run lists them",
+              "fabriclab.shmclean", "main", "add_arguments"),
     "topo": ("GPU <-> NIC <-> NUMA <-> CPU layout and the proposed NIC groups and cores (or a recorded one: "
              "--recorded p5.48xlarge)", "fabriclab.topology", "main", "add_arguments"),
     "apidoc": ("the API reference of fabriclab.Engine and fabriclab.bootstrap, rendered from the docstrings into "

@@ -1041,7 +1041,8 @@ class _Service:
         if gpu is None:
             from . import gpu as cuda
             gpu = cuda.cuda_status() == "ok"
-        # Regions that killed shm endpoints left behind hold memory until someone removes them.
+        # Regions that killed shm endpoints left behind hold memory until someone removes them: those of this pid
+        # namespace's engines that their owner records prove stale (shmclean), never a region of another.
         reclaimed = shmclean.reclaim_stale_shm_regions()
         if reclaimed:
             logging.getLogger("fabriclab").info(shmclean.describe(reclaimed))

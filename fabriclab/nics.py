@@ -12,7 +12,7 @@ import functools
 import os
 from dataclasses import dataclass
 
-from . import fi, memory
+from . import fi, memory, shmclean
 
 
 @dataclass
@@ -51,6 +51,10 @@ class NicSet:
         self.fabrics: list[fi.Fabric] = []
         self.domains: dict[str, fi.Domain] = {}
         self.slots: list[NicSlot] = []
+        # Before any endpoint (and its shm region) exists: the owner record that lets the next engine of this pid
+        # namespace reclaim the regions if this process is killed (shmclean); given back once they are closed.
+        shmclean.hold_owner_record()
+        self._holds_record = True
         try:
             for name in wanted[:count]:
                 fabric = fi.Fabric(by_domain[name])
@@ -111,6 +115,9 @@ class NicSet:
         for fabric in self.fabrics:
             fabric.close()
         self.fabrics.clear()
+        if self._holds_record:
+            self._holds_record = False
+            shmclean.release_owner_record()
 
     def keep_open(self) -> None:
         """Never close these NICs, not even at interpreter exit: a thread stuck inside the provider may still

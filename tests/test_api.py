@@ -23,9 +23,10 @@ PAGE = 65536
 class PeerProcess:
     """tests/api_peer.py in another process: an engine with one buffer, waiting for writes."""
 
-    def __init__(self, fabric, size, *options):
+    def __init__(self, fabric, size, *options, launcher=()):
+        """``launcher``: a command prefix the peer runs under (nsenter into another /dev/shm, say)."""
         provider, domain = fabric
-        self.proc = subprocess.Popen([sys.executable, PEER, provider, domain or "-", str(size), *options],
+        self.proc = subprocess.Popen([*launcher, sys.executable, PEER, provider, domain or "-", str(size), *options],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         port = int(self.proc.stdout.readline())
         self.address, self.descriptor = bootstrap.unpack(bootstrap.exchange(port, b"hello"))

@@ -1,10 +1,13 @@
 """Stale shm regions: processes SIGKILLed with an shm Engine open leave their /dev/shm regions; the cleaner
-removes those and never a live process's.
+removes those and never a live process's, not even one in a pid namespace it cannot see (issue 26: processes
+in pid namespaces of their own, unshare --pid, share the test's /dev/shm as containers run with --ipc=host do).
 
 Each test gets its own /dev/shm (a tmpfs in a private mount namespace): other test runs on this machine
 start Engines, which reclaim stale regions, and must neither take this test's killed owner's region from
 under it nor lose their own to it.
 """
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -13,9 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from fabriclab import shmclean
+from fabriclab import bootstrap, shmclean
+from test_api import PAGE, PeerProcess
+
+WRITER = str(Path(__file__).with_name("hostile_writer.py"))
 
 # An owner: an shm Engine, open until killed; "ready" once its region exists.
 OWNER = "import fabriclab, time; e = fabriclab.Engine('shm', nics=1); print('ready', flush=True); time.sleep(120)"
@@ -34,15 +41,26 @@ class PrivateShm:
     def regions_of(self, pid: int) -> list[str]:
         return sorted(str(p) for p in self.dir.iterdir() if p.name.startswith(f"{pid}:"))
 
-    def run(self, *argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*self.launcher, sys.executable, "-m", "fabriclab", *argv], capture_output=True,
-                              text=True, timeout=60)
+    def run(self, *argv: str, pid_namespace: bool = False) -> subprocess.CompletedProcess:
+        """``python -m fabriclab ARGV``; with ``pid_namespace``, in a pid namespace of its own (same /dev/shm)."""
+        return self.python("-m", "fabriclab", *argv, pid_namespace=pid_namespace)
+
+    def python(self, *argv: str, pid_namespace: bool = False) -> subprocess.CompletedProcess:
+        return subprocess.run([*self.launcher, *(CHILD_PID_NAMESPACE if pid_namespace else ()), sys.executable,
+                               *argv], capture_output=True, text=True, timeout=120)
+
+    def records(self) -> list[str]:
+        return sorted(p.name for p in self.dir.iterdir() if p.name.startswith("fabriclab-engine."))
 
 
 def kill(owner: subprocess.Popen) -> None:
     owner.send_signal(signal.SIGKILL)
     owner.wait(10)
     owner.stdout.close()
+
+
+# A pid namespace of its own (and a /proc showing it); the mount namespace, and so /dev/shm, stay the caller's.
+CHILD_PID_NAMESPACE = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
 
 
 @pytest.fixture
@@ -137,3 +155,157 @@ def test_clean_and_info_commands(private_shm):
 
     done = private_shm.run("clean")
     assert done.returncode == 0 and done.stdout.strip() == "no stale shm regions"
+
+
+# ------------------------------------------------------------------------------ pid namespaces sharing /dev/shm
+
+
+@pytest.fixture
+def shared_shm(private_shm):
+    """A private /dev/shm that processes in pid namespaces of their own share (a container run with --ipc=host
+    and its own pids does the same with the host's)."""
+    done = subprocess.run([*private_shm.launcher, *CHILD_PID_NAMESPACE, "true"], capture_output=True, text=True,
+                          timeout=30)
+    if done.returncode != 0:
+        pytest.skip(f"no pid namespace of its own here (unshare --pid needs root): {done.stderr.strip()}")
+    return private_shm
+
+
+def test_a_live_owner_in_another_pid_namespace_keeps_its_region_and_its_writes(shared_shm):
+    """Issue 26: an Engine start, `info` and `clean` in a pid namespace of their own leave alone the region of a
+    live engine they cannot see, and a later writer's pages still land in it byte-exact."""
+    owner = PeerProcess(("shm", None), 16 * PAGE, launcher=shared_shm.launcher)
+    try:
+        regions = shared_shm.regions_of(owner.proc.pid)
+        assert regions
+        done = shared_shm.python("-c", "from fabriclab import Engine; Engine('shm').close()", pid_namespace=True)
+        assert done.returncode == 0, done.stderr
+        assert shared_shm.regions_of(owner.proc.pid) == regions
+        done = shared_shm.run("info", pid_namespace=True)
+        assert done.returncode == 0 and "reclaimed" not in done.stdout, done.stderr
+        assert shared_shm.regions_of(owner.proc.pid) == regions
+        for clean in (["clean", "--dry-run"], ["clean"]):
+            done = shared_shm.run(*clean, pid_namespace=True)
+            assert done.returncode == 0, done.stderr
+            assert shared_shm.regions_of(owner.proc.pid) == regions
+            assert "would remove" not in done.stdout and "removed" not in done.stdout
+            assert f"left /dev/shm/{Path(regions[0]).name} " in done.stdout and "--force" in done.stdout
+            assert "pid namespace of its own" in done.stdout
+        done = shared_shm.run("doctor", "--json", "--provider", "shm", pid_namespace=True)
+        shm_check = [c for c in json.loads(done.stdout)["checks"] if c["item"] == "/dev/shm"]
+        assert shm_check and "shared across pid namespaces" in shm_check[0]["found"], done.stdout
+
+        packed = bootstrap.pack(owner.address, owner.descriptor).hex()
+        done = subprocess.run([*shared_shm.launcher, sys.executable, WRITER, "shm", "-", packed, "16", "9"],
+                              capture_output=True, text=True, timeout=60)
+        assert done.stdout.strip() == "wrote 16", done.stdout + done.stderr
+        want = hashlib.sha256(np.full(16 * PAGE, 9, dtype=np.uint8)).hexdigest()
+        assert owner.ask("expect 9 16 10") == f"landed 16 sha256={want}"
+        assert shared_shm.records()  # the live owner's, until it closes
+    finally:
+        owner.close()
+    assert shared_shm.regions_of(owner.proc.pid) == [] and shared_shm.records() == []
+
+
+def test_an_engine_start_reclaims_a_killed_engine_of_its_namespace_and_its_record(shared_shm):
+    dead = shared_shm.start_owner()
+    regions = shared_shm.regions_of(dead.pid)
+    kill(dead)
+    assert [r for r in shared_shm.records() if f".pid{dead.pid}." in r]  # SIGKILL left the record too
+    done = shared_shm.python("-c", "from fabriclab import Engine; Engine('shm').close()")
+    assert done.returncode == 0, done.stderr
+    assert shared_shm.regions_of(dead.pid) == [] and shared_shm.records() == []
+    assert regions
+
+
+# In a pid namespace of its own: an owner SIGKILLed, then an Engine start; prints what the owner left before and
+# after it, as JSON.
+KILLED_THEN_START = """
+import json, subprocess, sys
+from pathlib import Path
+from fabriclab import Engine
+owner = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+assert owner.stdout.readline().strip() == "ready"
+owner.kill()
+owner.wait()
+def left():
+    return sorted(p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(f"{owner.pid}:")
+                  or f".pid{owner.pid}." in p.name)
+before = left()
+Engine("shm", nics=1).close()
+print(json.dumps([before, left()]))
+"""
+
+
+def test_an_engine_start_in_a_pid_namespace_of_its_own_reclaims_its_killed_engines(shared_shm):
+    done = shared_shm.python("-c", KILLED_THEN_START, OWNER, pid_namespace=True)
+    assert done.returncode == 0, done.stderr
+    before, after = json.loads(done.stdout)
+    assert [n for n in before if n.startswith("fabriclab-engine.")] and len(before) >= 2  # a region and the record
+    assert after == []
+
+
+def test_clean_in_a_pid_namespace_of_its_own_refuses_unless_forced(shared_shm):
+    """An engine killed in a namespace that ended with it: its region's pid means nothing to a later namespace.
+    `clean` there refuses it (--force would take it); `clean` in the host's namespace sees every process and
+    takes the region and its record."""
+    pid = unused_pid()
+    # The namespace's init (sh) gives the engine the pid no process has anywhere, so only its death explains it.
+    dead = subprocess.Popen([*shared_shm.launcher, *CHILD_PID_NAMESPACE, "sh", "-c",
+                             f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; :', sys.executable,
+                             OWNER], stdout=subprocess.PIPE, text=True)
+    assert dead.stdout.readline().strip() == "ready"
+    kill(dead)  # unshare --kill-child takes the namespace's init, and the engine with it
+    regions = shared_shm.regions_of(pid)
+    assert regions and shared_shm.records()
+    name = Path(regions[0]).name
+    done = shared_shm.run("clean", pid_namespace=True)
+    assert done.returncode == 0, done.stderr
+    assert f"left /dev/shm/{name} " in done.stdout and "--force" in done.stdout
+    assert shared_shm.regions_of(pid) == regions
+    done = shared_shm.run("clean", "--force", "--dry-run", pid_namespace=True)
+    assert done.returncode == 0 and f"would remove /dev/shm/{name} " in done.stdout, done.stderr
+    assert shared_shm.regions_of(pid) == regions
+
+    done = shared_shm.run("info")  # automatic reclamation: not a record of this namespace, so not its to take
+    assert done.returncode == 0 and "reclaimed" not in done.stdout, done.stderr
+    assert shared_shm.regions_of(pid) == regions
+    done = shared_shm.run("clean")
+    assert done.returncode == 0 and f"removed /dev/shm/{name} " in done.stdout, done.stderr
+    assert f"no process has pid {pid} in any pid namespace" in done.stdout
+    assert shared_shm.regions_of(pid) == [] and shared_shm.records() == []
+
+
+def unused_pid() -> int:
+    """A pid that no process has, in any pid namespace on this host."""
+    used = shmclean._pids_in_every_namespace()
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    return next(p for p in range(pid_max // 2, pid_max) if p not in used)
+
+
+# Two engines in one process, then a fork()ed child with an engine of its own: "records N" after each step.
+TWO_ENGINES = """
+import os, sys
+from pathlib import Path
+from fabriclab import Engine
+def records():
+    print("records", len([p for p in Path("/dev/shm").iterdir() if p.name.startswith("fabriclab-engine.")]), flush=True)
+first, second = Engine("shm", nics=1), Engine("shm", nics=1)
+records()
+first.close()
+records()
+child = os.fork()
+if child == 0:
+    Engine("shm", nics=1).close()
+    os._exit(0)
+os.waitpid(child, 0)
+records()
+second.close()
+records()
+"""
+
+
+def test_the_record_lasts_as_long_as_the_process_has_an_engine_open(private_shm):
+    done = private_shm.python("-c", TWO_ENGINES)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:-1] == ["records 1", "records 1", "records 1", "records 0"]

@@ -6,7 +6,8 @@ Items: libfabric (version, the library file), the provider chosen and why, the f
 the NICs (PCI place, link speed, which GPU and NUMA node they serve), immediate data (``cq_data_size``),
 queue depths, the GPU memory path (direct registration or staged through pinned host memory), whether a
 peer on the same host would take a shared-memory detour, the GPU <-> NIC grouping and the cores the engine
-would pin. ``--recorded p5.48xlarge`` checks a recorded machine's layout instead (only what a recording
+would pin, and (only when it can tell) a /dev/shm shared with other pid namespaces, where libfabric's shm
+regions of live processes look ownerless. ``--recorded p5.48xlarge`` checks a recorded machine's layout instead (only what a recording
 holds: no libfabric is asked then). Lesson 01 runs it; lesson 08 explains the grouping.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from .. import cli, fi, gpu, nics, topology
+from .. import cli, fi, gpu, nics, shmclean, topology
 
 OK, SLOW, FAIL = "ok", "slow", "will fail"
 HARDWARE_PROVIDERS = ("efa", "verbs")
@@ -154,6 +155,13 @@ def check_same_host_path(provider: str) -> Check:
                  f"to measure the NICs between two processes on one host, set {switch}=0 (bench and the lessons do)")
 
 
+def check_shared_shm() -> list[Check]:
+    """/dev/shm shared across pid namespaces (containers run with --ipc=host and their own pids), when it
+    shows: what removes which regions then (shmclean). No item when nothing shows it."""
+    found = shmclean.shared_pid_namespaces()
+    return [Check("/dev/shm", found)] if found else []
+
+
 def check_grouping(topo: topology.Topology) -> list[Check]:
     """The GPU <-> NIC groups (chapter 8) and the cores proposed for the threads that drive them."""
     if not topo.gpus:
@@ -192,6 +200,7 @@ def diagnose(provider: str | None = None) -> list[Check]:
     shown = nics or fi.domains(chosen, cq_data_size=0)
     checks += [check_fabric(listed, nics), check_nics(shown), check_immediate_data(shown[0]),
                check_queue_depths(shown[0]), check_gpu_memory(chosen), check_same_host_path(chosen)]
+    checks += check_shared_shm()
     checks += check_grouping(topology.Topology.discover(provider=chosen))
     return checks
 
