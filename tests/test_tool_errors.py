@@ -1,5 +1,6 @@
 """The tools under bad input: deadlines that cannot work are refused by argparse, and a client given the
 address of a server that is gone says so, and what to do."""
+import os
 import subprocess
 import sys
 import time
