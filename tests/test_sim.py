@@ -1,4 +1,4 @@
-"""The modeled p5 NICs (provider sim, native/sim/sim.c, docs/model.md) under the binding: what it reports,
+"""The modeled p5 NICs (provider sim, native/sim/, docs/model.md) under the binding: what it reports,
 messages, writes with immediate data, errors, payload mode, the line rate as a lower bound on a write's
 completion time, two processes, and no shared memory left after exit or SIGKILL."""
 import os

@@ -1,0 +1,242 @@
+/* libsim-fi.so: a libfabric provider ("sim") that models the NICs of an AWS p5 host.
+ *
+ * The model, and only the model, is physical (docs/model.md describes it whole): each domain is one NIC
+ * with a line rate, a one-way latency and queue depths. A write or send posted on a NIC occupies its
+ * transmit line for bytes * 8 / rate after the line is free, and the target NIC's receive line for as
+ * long (several writers on one target NIC queue behind each other). The target reads the completion
+ * (immediate data, received message) once the last byte has landed; the writer reads its own one latency
+ * later (the acknowledgement). Time is CLOCK_MONOTONIC, looked at when the application polls a CQ: no
+ * thread runs behind the application's back.
+ *
+ * Processes meet through one memfd segment per domain (no file in /dev/shm, so nothing is left behind
+ * when a process is killed): a peer maps it through /proc/<pid>/fd/<fd>. It holds the domain's memory
+ * registrations (the writer checks key, range and access against them, as the remote NIC would) and one
+ * single-producer/single-consumer ring per sending endpoint ("port"), through which immediate data and
+ * messages travel. By default a write moves no bytes (on EFA the NIC's DMA costs the host nothing);
+ * with FABRICLAB_SIM_PAYLOAD=1 the writer copies them into the target's memory with process_vm_writev.
+ *
+ * This is the provider's private header, laid out as libfabric's providers are: one file per object
+ * (sim_fabric.c: provider entry, getinfo, fabric, domain; sim_ep.c: endpoint object; sim_post.c: the post
+ * paths; sim_progress.c: turning what is due into completions; sim_cq.c, sim_av.c, sim_mr.c; sim_wire.c:
+ * the model, the shared segment, ports and the timing of the lines). Names shared between files are
+ * prefixed sim_; everything else is static. Only fi_prov_ini leaves the library.
+ */
+#ifndef FABRICLAB_SIM_H
+#define FABRICLAB_SIM_H
+
+#define _GNU_SOURCE
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#define SIM_NAME "sim"
+#define SIM_FABRIC "modeled-p5"
+#define SIM_FABRIC_PAYLOAD "modeled-p5-payload"
+#define SIM_MAGIC 0x31504d49534c4600ULL /* "\0FLSIMP1" */
+#define SIM_EPS 8                        /* endpoints per domain (NIC) */
+#define SIM_PORTS 32                     /* sending endpoints one endpoint can hear at once */
+#define SIM_RING 8192                    /* entries per port: the receive queue depth (rx 8192) */
+#define SIM_MRS 4096                     /* registrations per domain */
+#define SIM_DATA_BYTES (8u << 20)        /* per port: the bytes of messages in flight; the largest message */
+#define SIM_TX 4096                      /* tx queue depth, as EFA reports */
+#define SIM_RX 8192
+#define SIM_INJECT 4096
+#define SIM_CQ_DATA 4
+#define SIM_MAX_AV 4096
+#define SIM_ADDR_LEN 48
+#define SIM_LIVENESS_NS 10000000ull /* a peer's process is looked for at most every 10 ms */
+#define SIM_CAPS (FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | FI_LOCAL_COMM | FI_REMOTE_COMM)
+#define SIM_MR_MODE (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY)
+#define SIM_CACHELINE 64
+#define SIM_ERRS 256
+
+enum sim_kind { SIM_KIND_WRITE_DATA = 1, SIM_KIND_SEND = 2 };
+
+/* ------------------------------------------------------------------------------------- the model */
+
+struct sim_model {
+    int nics;
+    double ns_per_byte; /* 8e9 / line rate */
+    uint64_t latency_ns;
+    int payload;
+};
+
+extern struct sim_model sim_model;
+
+/* -------------------------------------------------------------------------------- shared segment */
+
+struct sim_entry { /* 32 bytes: one message or write announced to the target */
+    uint64_t due_ns;
+    uint64_t len;
+    uint32_t data_off; /* messages: where their bytes are in the port's data ring */
+    uint32_t kind;
+    uint64_t imm;
+};
+
+struct sim_port {
+    _Atomic uint64_t owner; /* 0: free; else the sender's pid << 32 | its domain's serial */
+    _Atomic int closed;     /* the sender is gone: the target frees the port once it is drained */
+    char pad0[SIM_CACHELINE - 12];
+    _Atomic uint64_t head; /* producer */
+    uint64_t data_head;
+    char pad1[SIM_CACHELINE - 16];
+    _Atomic uint64_t tail; /* consumer */
+    _Atomic uint64_t data_tail;
+    char pad2[SIM_CACHELINE - 16];
+    struct sim_entry ring[SIM_RING];
+};
+
+struct sim_mr_slot {
+    _Atomic uint64_t key; /* 0: free */
+    uint64_t addr, len, access;
+};
+
+struct sim_segment {
+    uint64_t magic;
+    int32_t pid;
+    uint32_t serial;
+    _Atomic int alive;
+    char pad0[SIM_CACHELINE - 20];
+    _Atomic uint64_t rx_free_ns; /* when this NIC's receive line is next free */
+    char pad1[SIM_CACHELINE - 8];
+    _Atomic uint64_t ports_used[SIM_EPS]; /* per endpoint, bit i: its port i was claimed (it scans only these) */
+    struct sim_mr_slot mrs[SIM_MRS];
+    struct sim_port ports[SIM_EPS][SIM_PORTS];
+    /* then SIM_EPS * SIM_PORTS data rings of SIM_DATA_BYTES */
+};
+
+/* ------------------------------------------------------------------------------------------ objects */
+
+struct sim_domain {
+    struct fid_domain fid;
+    int index;
+    int memfd;
+    uint32_t serial;
+    struct sim_segment *seg;
+    uint64_t tx_free_ns; /* when this NIC's transmit line is next free (only its endpoint's thread posts) */
+    unsigned slots_used; /* bit i: an endpoint of this domain has slot i */
+    _Atomic int registrations;
+};
+
+struct sim_mr {
+    struct fid_mr fid;
+    struct sim_domain *domain;
+    int slot;
+};
+
+struct sim_peer {
+    struct sim_segment *seg;
+    int pid;
+    uint32_t serial;
+    int slot;          /* its endpoint's slot in the segment */
+    int port;          /* our port in its endpoint's slot, -1 until the first post */
+    int dead;          /* its process is gone */
+    uint64_t checked_ns;
+};
+
+struct sim_av {
+    struct fid_av fid;
+    struct sim_domain *domain;
+    struct sim_peer peers[SIM_MAX_AV];
+    int count;
+};
+
+struct sim_pending { /* a posted operation whose local completion is not due yet */
+    uint64_t due_ns;
+    void *context;
+    uint64_t flags;
+    uint64_t len;
+    uint32_t dest;
+    int err;
+};
+
+struct sim_recv {
+    void *buf;
+    size_t len;
+    void *context;
+};
+
+struct sim_cq;
+
+struct sim_ep {
+    struct fid_ep fid;
+    struct sim_domain *domain;
+    struct sim_cq *cq;
+    struct sim_av *av;
+    int slot;
+    int enabled;
+    atomic_flag lock; /* posting and progress of one endpoint from several threads (FI_THREAD_SAFE) */
+    struct sim_pending tx[SIM_TX];
+    uint64_t tx_head, tx_tail;
+    struct sim_recv rx[SIM_RX];
+    uint64_t rx_head, rx_tail;
+    uint64_t last_due_ns; /* local completions come in posting order */
+    uint64_t next_liveness_ns;
+};
+
+struct sim_cq {
+    struct fid_cq fid;
+    struct sim_domain *domain;
+    struct sim_ep *ep;
+    int format;
+    struct fi_cq_err_entry errs[SIM_ERRS];
+    char err_text[SIM_ERRS][96];
+    uint64_t err_head, err_tail;
+};
+
+/* ---------------------------------------------------------------- sim_wire.c: model, segment, lines */
+
+void sim_model_read(void);
+uint64_t sim_now_ns(void);
+uint32_t sim_next_serial(void);
+size_t sim_segment_size(void);
+char *sim_port_data(struct sim_segment *s, int slot, int port);
+void sim_format_addr(char *out, int pid, int fd, uint32_t serial, int slot);
+int sim_parse_addr(const void *addr, int *pid, int *fd, uint32_t *serial, int *slot);
+int sim_process_gone(int pid);
+struct sim_segment *sim_map_peer(int pid, int fd, uint32_t serial);
+int sim_peer_dead(struct sim_peer *p, uint64_t now);
+int sim_claim_port(struct sim_ep *ep, struct sim_peer *peer);
+void sim_release_port(struct sim_peer *p);
+int64_t sim_reserve_data(struct sim_port *port, size_t len);
+uint64_t sim_occupy_lines(struct sim_ep *ep, struct sim_peer *peer, size_t len, uint64_t now);
+
+/* -------------------------------------------------------------------- the objects' constructors */
+
+int sim_av_open(struct fid_domain *dfid, struct fi_av_attr *attr, struct fid_av **out, void *context);
+int sim_cq_open(struct fid_domain *dfid, struct fi_cq_attr *attr, struct fid_cq **out, void *context);
+int sim_ep_open(struct fid_domain *dfid, struct fi_info *info, struct fid_ep **out, void *context);
+extern struct fi_ops_mr sim_mr_ops;
+
+/* ------------------------------------------------------------ sim_ep.c, sim_post.c, sim_progress.c */
+
+void sim_ep_lock(struct sim_ep *ep);
+void sim_ep_unlock(struct sim_ep *ep);
+extern struct fi_ops_msg sim_msg_ops;
+extern struct fi_ops_rma sim_rma_ops;
+size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, uint64_t now);
+size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now);
+
+/* ------------------------------------------------------------------------------------ sim_cq.c */
+
+void sim_cq_push_error(struct sim_cq *cq, void *context, uint64_t flags, size_t len, int err, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+void sim_cq_fill(struct sim_cq *cq, void *buf, size_t i, void *context, uint64_t flags, size_t len, void *data_buf,
+                 uint64_t data);
+
+/* ---------------------------------------------------------- sim_fabric.c: what unset operations answer */
+
+int sim_no_bind(struct fid *fid, struct fid *bfid, uint64_t flags);
+int sim_no_control(struct fid *fid, int command, void *arg);
+int sim_no_ops_open(struct fid *fid, const char *name, uint64_t flags, void **ops, void *context);
+
+#endif

@@ -1,0 +1,118 @@
+/* Completion queues: where progress puts completions and error entries, and how the application reads them. */
+#include "sim.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void sim_cq_push_error(struct sim_cq *cq, void *context, uint64_t flags, size_t len, int err, const char *fmt, ...) {
+    if (cq->err_tail - cq->err_head >= SIM_ERRS) return; /* the oldest errors are already waiting to be read */
+    uint64_t i = cq->err_tail % SIM_ERRS;
+    struct fi_cq_err_entry *e = &cq->errs[i];
+    memset(e, 0, sizeof *e);
+    e->op_context = context;
+    e->flags = flags;
+    e->len = len;
+    e->err = err;
+    e->prov_errno = err;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cq->err_text[i], sizeof cq->err_text[i], fmt, ap);
+    va_end(ap);
+    cq->err_tail++;
+}
+
+void sim_cq_fill(struct sim_cq *cq, void *buf, size_t i, void *context, uint64_t flags, size_t len, void *data_buf,
+                 uint64_t data) {
+    switch (cq->format) {
+    case FI_CQ_FORMAT_CONTEXT:
+        ((struct fi_cq_entry *)buf)[i] = (struct fi_cq_entry){context};
+        break;
+    case FI_CQ_FORMAT_MSG:
+        ((struct fi_cq_msg_entry *)buf)[i] = (struct fi_cq_msg_entry){context, flags, len};
+        break;
+    default:
+        ((struct fi_cq_data_entry *)buf)[i] = (struct fi_cq_data_entry){context, flags, len, data_buf, data};
+    }
+}
+
+static ssize_t cq_read(struct fid_cq *fid, void *buf, size_t count) {
+    struct sim_cq *cq = (struct sim_cq *)fid;
+    struct sim_ep *ep = cq->ep;
+    if (cq->err_head != cq->err_tail) return -FI_EAVAIL;
+    if (!ep || !ep->enabled) return -FI_EAGAIN;
+    uint64_t now = sim_now_ns();
+    sim_ep_lock(ep);
+    size_t n = sim_progress_rx(ep, buf, count, now);
+    n = sim_progress_tx(ep, buf, count, n, now);
+    sim_ep_unlock(ep);
+    if (n) return (ssize_t)n;
+    return cq->err_head != cq->err_tail ? -FI_EAVAIL : -FI_EAGAIN;
+}
+
+static ssize_t cq_readfrom(struct fid_cq *fid, void *buf, size_t count, fi_addr_t *src) {
+    ssize_t n = cq_read(fid, buf, count);
+    for (ssize_t i = 0; src && i < n; i++) src[i] = FI_ADDR_NOTAVAIL;
+    return n;
+}
+
+static ssize_t cq_readerr(struct fid_cq *fid, struct fi_cq_err_entry *buf, uint64_t flags) {
+    struct sim_cq *cq = (struct sim_cq *)fid;
+    if (cq->err_head == cq->err_tail) return -FI_EAGAIN;
+    uint64_t i = cq->err_head++ % SIM_ERRS;
+    void *err_data = buf->err_data;
+    size_t err_data_size = buf->err_data_size;
+    *buf = cq->errs[i];
+    /* the text lives with the CQ; a caller that gave a buffer of its own gets a copy */
+    if (err_data && err_data_size) {
+        size_t len = strlen(cq->err_text[i]) + 1;
+        memcpy(err_data, cq->err_text[i], len < err_data_size ? len : err_data_size);
+        buf->err_data = err_data;
+        buf->err_data_size = len < err_data_size ? len : err_data_size;
+    } else {
+        buf->err_data = cq->err_text[i];
+        buf->err_data_size = strlen(cq->err_text[i]) + 1;
+    }
+    return 1;
+}
+
+static const char *cq_strerror(struct fid_cq *fid, int prov_errno, const void *err_data, char *buf, size_t len) {
+    const char *text = err_data ? (const char *)err_data : fi_strerror(prov_errno);
+    if (buf && len) {
+        snprintf(buf, len, "%s", text);
+        return buf;
+    }
+    return text;
+}
+
+static ssize_t cq_sread(struct fid_cq *cq, void *buf, size_t count, const void *cond, int timeout) {
+    return -FI_ENOSYS;
+}
+
+static int cq_close(struct fid *fid) {
+    struct sim_cq *cq = (struct sim_cq *)fid;
+    if (cq->ep) return -FI_EBUSY;
+    free(cq);
+    return 0;
+}
+
+static struct fi_ops cq_fi_ops = {.size = sizeof(struct fi_ops), .close = cq_close, .bind = sim_no_bind,
+                                  .control = sim_no_control, .ops_open = sim_no_ops_open};
+static struct fi_ops_cq cq_ops = {.size = sizeof(struct fi_ops_cq), .read = cq_read, .readfrom = cq_readfrom,
+                                  .readerr = cq_readerr, .sread = cq_sread, .strerror = cq_strerror};
+
+int sim_cq_open(struct fid_domain *dfid, struct fi_cq_attr *attr, struct fid_cq **out, void *context) {
+    if (attr && attr->wait_obj != FI_WAIT_NONE && attr->wait_obj != FI_WAIT_UNSPEC) return -FI_ENOSYS;
+    if (attr && attr->format != FI_CQ_FORMAT_UNSPEC && attr->format != FI_CQ_FORMAT_CONTEXT &&
+        attr->format != FI_CQ_FORMAT_MSG && attr->format != FI_CQ_FORMAT_DATA)
+        return -FI_ENOSYS;
+    struct sim_cq *cq = calloc(1, sizeof *cq);
+    if (!cq) return -FI_ENOMEM;
+    cq->fid.fid = (struct fid){.fclass = FI_CLASS_CQ, .context = context, .ops = &cq_fi_ops};
+    cq->fid.ops = &cq_ops;
+    cq->domain = (struct sim_domain *)dfid;
+    cq->format = attr && attr->format != FI_CQ_FORMAT_UNSPEC ? attr->format : FI_CQ_FORMAT_DATA;
+    *out = &cq->fid;
+    return 0;
+}
