@@ -100,13 +100,13 @@ def _kill_mid_transfer(reap: bool, writes: int = 8192, kill_after: int = 1000) -
 def test_target_killed_mid_transfer_every_write_completes_once(reap):
     """Every write completes once: those that landed before the target died with success, the others
     with FI_EHOSTUNREACH; none is lost, the writer never waits for ever. A zombie is as dead as a reaped
-    process: its NIC takes no more writes. The writes' completions are 52 us apart in the model, so about
-    `kill_after` succeed, not thousands more."""
+    process: its NIC takes no more writes. When the kill comes, about 3000 of the 8192 writes are not even
+    posted (the writer holds at most 4096 in flight): at least the last 1000 (52 ms of the modeled
+    transfer) fail, whatever the box's load does to how long the target takes to die."""
     result = _kill_mid_transfer(reap)
     assert (result["missing"], result["twice"]) == (0, 0), result
     assert set(result["errors"]) == {UNREACHABLE}, result
-    assert 1000 <= result["ok"] < 1000 + 1000, result
-    assert result["ok"] + result["errors"][UNREACHABLE] == 8192
+    assert result["ok"] >= 1000 and result["errors"][UNREACHABLE] >= 1000, result
 
 
 # ------------------------------------------------------------------------------------- finding 5

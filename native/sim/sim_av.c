@@ -21,7 +21,9 @@ static int av_insert(struct fid_av *fid, const void *addr, size_t count, fi_addr
             if (fi_addr) fi_addr[i] = FI_ADDR_NOTAVAIL;
             continue;
         }
-        av->peers[av->count] = (struct sim_peer){.seg = seg, .pid = pid, .serial = serial, .slot = slot, .port = -1};
+        struct sim_peer *p = &av->peers[av->count];
+        *p = (struct sim_peer){.seg = seg, .pid = pid, .pidfd = sim_watch_open(pid), .serial = serial, .slot = slot};
+        atomic_store(&p->alive_ns, sim_now_ns()); /* its segment was there: alive, at the latest, now */
         if (fi_addr) fi_addr[i] = (fi_addr_t)av->count;
         av->count++;
         inserted++;
@@ -29,14 +31,21 @@ static int av_insert(struct fid_av *fid, const void *addr, size_t count, fi_addr
     return inserted;
 }
 
+/* The peer is forgotten: the endpoints bound here give back their ports in it, and its mapping goes. */
+static void forget(struct sim_av *av, fi_addr_t i) {
+    struct sim_peer *p = &av->peers[i];
+    for (int e = 0; e < SIM_EPS; e++)
+        if (av->eps[e]) sim_release_port(av->eps[e], i);
+    sim_watch_close(p->pidfd);
+    munmap(p->seg, sim_segment_size());
+    p->seg = NULL;
+}
+
 static int av_remove(struct fid_av *fid, fi_addr_t *fi_addr, size_t count, uint64_t flags) {
     struct sim_av *av = (struct sim_av *)fid;
     for (size_t i = 0; i < count; i++) {
         if (fi_addr[i] >= (fi_addr_t)av->count || !av->peers[fi_addr[i]].seg) return -FI_EINVAL;
-        struct sim_peer *p = &av->peers[fi_addr[i]];
-        sim_release_port(p);
-        munmap(p->seg, sim_segment_size());
-        p->seg = NULL;
+        forget(av, fi_addr[i]);
     }
     return 0;
 }
@@ -56,10 +65,7 @@ static const char *av_straddr(struct fid_av *fid, const void *addr, char *buf, s
 static int av_close(struct fid *fid) {
     struct sim_av *av = (struct sim_av *)fid;
     for (int i = 0; i < av->count; i++)
-        if (av->peers[i].seg) {
-            sim_release_port(&av->peers[i]);
-            munmap(av->peers[i].seg, sim_segment_size());
-        }
+        if (av->peers[i].seg) forget(av, (fi_addr_t)i);
     free(av);
     return 0;
 }

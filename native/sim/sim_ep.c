@@ -29,7 +29,9 @@ static int ep_bind(struct fid *fid, struct fid *bfid, uint64_t flags) {
         return 0;
     }
     if (bfid->fclass == FI_CLASS_AV) {
+        if (ep->av) return -FI_EINVAL;
         ep->av = (struct sim_av *)bfid;
+        ep->av->eps[ep->slot] = ep;
         return 0;
     }
     return -FI_EINVAL;
@@ -46,9 +48,11 @@ static int ep_control(struct fid *fid, int command, void *arg) {
 static int ep_close(struct fid *fid) {
     struct sim_ep *ep = (struct sim_ep *)fid;
     if (ep->cq) ep->cq->ep = NULL;
-    if (ep->av)
-        for (int i = 0; i < ep->av->count; i++) sim_release_port(&ep->av->peers[i]);
-    atomic_store(&ep->domain->seg->ports_used[ep->slot], 0);
+    if (ep->av) {
+        for (int i = 0; i < ep->av->count; i++) sim_release_port(ep, (fi_addr_t)i);
+        ep->av->eps[ep->slot] = NULL;
+    }
+    for (int w = 0; w < SIM_PORT_WORDS; w++) atomic_store(&ep->domain->seg->ports_used[ep->slot][w], 0);
     ep->domain->slots_used &= ~(1u << ep->slot);
     free(ep);
     return 0;

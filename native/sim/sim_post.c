@@ -13,6 +13,68 @@ static ssize_t refuse(struct sim_ep *ep, void *context, uint64_t flags, size_t l
     return 0;
 }
 
+/* What the target NIC checks before it lets a write into memory: 0 or the error it answers. */
+static int check_remote(struct sim_peer *peer, uint64_t raddr, size_t len, uint64_t key) {
+    uint64_t slot = key & 0xffffffffu;
+    struct sim_mr_slot *s = slot < SIM_MRS ? &peer->seg->mrs[slot] : NULL;
+    if (!s || atomic_load_explicit(&s->key, memory_order_acquire) != key) return FI_EKEYREJECTED;
+    if (!(s->access & FI_REMOTE_WRITE)) return FI_EACCES;
+    if (raddr < s->addr || raddr + len > s->addr + s->len || raddr + len < raddr) return FI_EFAULT;
+    return 0;
+}
+
+/* A message or immediate datum needs room in our port at the peer's endpoint: its ring entry (and a
+ * message its bytes, copied now, as the NIC reads the buffer when it is posted). 0, -FI_EAGAIN while the
+ * target has not read enough, or -FI_ENOSPC when its endpoint already hears as many senders as it can. */
+static int take_port_room(struct sim_ep *ep, struct sim_pending *t, fi_addr_t dest, const void *buf) {
+    struct sim_peer *peer = &ep->av->peers[dest];
+    if (!sim_port_of(ep, dest)) {
+        int rc = sim_claim_port(ep, dest);
+        if (rc) return rc;
+    }
+    struct sim_port *port = sim_port_of(ep, dest);
+    if (port->posted - atomic_load_explicit(&port->tail, memory_order_acquire) >= SIM_RING) return -FI_EAGAIN;
+    if (t->kind == SIM_KIND_SEND) {
+        int64_t at = sim_reserve_data(port, t->len);
+        if (at < 0) return -FI_EAGAIN;
+        memcpy(sim_port_data(peer->seg, peer->slot, ep->port_of[dest] - 1) + at % SIM_DATA_BYTES, buf, t->len);
+        t->data_at = (uint64_t)at;
+    }
+    port->posted++;
+    return 0;
+}
+
+/* The operation's first byte leaves this NIC: it takes the target's receive line (in the order of arrival
+ * there) and, if it announces anything, its entry is published in our port. */
+static void leave(struct sim_ep *ep, struct sim_pending *t) {
+    struct sim_peer *peer = &ep->av->peers[t->dest];
+    if (!peer->seg || sim_peer_known_dead(peer, t->tx_start_ns)) { /* removed, or gone before the bytes left */
+        t->err = FI_EHOSTUNREACH;
+        return;
+    }
+    t->landed_ns = sim_occupy_rx(peer, t->len, t->tx_start_ns);
+    if (t->announce) {
+        struct sim_port *port = sim_port_of(ep, t->dest);
+        uint64_t head = atomic_load_explicit(&port->head, memory_order_relaxed);
+        port->ring[head % SIM_RING] = (struct sim_entry){.due_ns = t->landed_ns, .len = t->len, .data_at = t->data_at,
+                                                         .kind = (uint32_t)t->kind, .imm = t->imm};
+        atomic_store_explicit(&port->head, head + 1, memory_order_release);
+    }
+    t->due_ns = t->landed_ns + sim_model.latency_ns;
+    if (t->due_ns < ep->last_due_ns) t->due_ns = ep->last_due_ns;
+    ep->last_due_ns = t->due_ns;
+}
+
+/* Operations whose first byte has left the NIC by `now` go on the wire, in posting order. */
+void sim_send_due(struct sim_ep *ep, uint64_t now) {
+    for (; ep->tx_sent != ep->tx_tail; ep->tx_sent++) {
+        struct sim_pending *t = &ep->tx[ep->tx_sent % SIM_TX];
+        if (t->err) continue;
+        if (t->tx_start_ns > now) break;
+        leave(ep, t);
+    }
+}
+
 static ssize_t post(struct sim_ep *ep, int kind, const void *buf, size_t len, fi_addr_t dest, uint64_t raddr,
                     uint64_t key, uint64_t data, void *context, uint64_t flags) {
     uint64_t op_flags = (kind == SIM_KIND_SEND ? FI_MSG | FI_SEND : FI_RMA | FI_WRITE) | (flags & FI_COMPLETION);
@@ -21,50 +83,29 @@ static ssize_t post(struct sim_ep *ep, int kind, const void *buf, size_t len, fi
     struct sim_peer *peer = &ep->av->peers[dest];
     if (ep->tx_tail - ep->tx_head >= SIM_TX) return -FI_EAGAIN;
     uint64_t now = sim_now_ns();
-    if (sim_peer_dead(peer, now)) return refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
-    if (kind == SIM_KIND_SEND) {
-        if (len > SIM_DATA_BYTES) return -FI_EMSGSIZE;
-    } else {
-        /* what the target NIC checks before it lets the write into memory */
-        uint64_t slot = key & 0xffffffffu;
-        struct sim_mr_slot *s = slot < SIM_MRS ? &peer->seg->mrs[slot] : NULL;
-        if (!s || atomic_load_explicit(&s->key, memory_order_acquire) != key)
-            return refuse(ep, context, op_flags, len, FI_EKEYREJECTED);
-        if (!(s->access & FI_REMOTE_WRITE)) return refuse(ep, context, op_flags, len, FI_EACCES);
-        if (raddr < s->addr || raddr + len > s->addr + s->len || raddr + len < raddr)
-            return refuse(ep, context, op_flags, len, FI_EFAULT);
-    }
-    int announce = kind == SIM_KIND_SEND || (flags & FI_REMOTE_CQ_DATA);
-    struct sim_port *port = NULL;
-    int64_t data_off = 0;
-    if (announce) {
-        if (peer->port < 0 && sim_claim_port(ep, peer) < 0) return -FI_EAGAIN;
-        port = &peer->seg->ports[peer->slot][peer->port];
-        uint64_t head = atomic_load_explicit(&port->head, memory_order_relaxed);
-        if (head - atomic_load_explicit(&port->tail, memory_order_acquire) >= SIM_RING) return -FI_EAGAIN;
-        if (kind == SIM_KIND_SEND) {
-            data_off = sim_reserve_data(port, len);
-            if (data_off < 0) return -FI_EAGAIN;
-            memcpy(sim_port_data(peer->seg, peer->slot, peer->port) + data_off, buf, len);
-        }
+    if (sim_peer_known_dead(peer, now)) return refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
+    if (kind == SIM_KIND_SEND && len > SIM_DATA_BYTES) return -FI_EMSGSIZE;
+    int err = kind == SIM_KIND_SEND ? 0 : check_remote(peer, raddr, len, key);
+    if (err) return refuse(ep, context, op_flags, len, err);
+    struct sim_pending t = {.context = context, .flags = op_flags, .len = len, .dest = (uint32_t)dest,
+                            .imm = (uint32_t)data, .kind = kind,
+                            .announce = kind == SIM_KIND_SEND || (flags & FI_REMOTE_CQ_DATA)};
+    if (t.announce) {
+        int rc = take_port_room(ep, &t, dest, buf);
+        if (rc == -FI_ENOSPC) return refuse(ep, context, op_flags, len, FI_ENOSPC);
+        /* a full port whose target is gone is an error, not -FI_EAGAIN for ever */
+        if (rc) return sim_peer_alive_at(peer, now, now) ? rc : refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
     }
     if (kind != SIM_KIND_SEND && sim_model.payload && len) {
         struct iovec local = {(void *)buf, len}, remote = {(void *)(uintptr_t)raddr, len};
-        if (process_vm_writev(peer->pid, &local, 1, &remote, 1, 0) != (ssize_t)len)
+        if (process_vm_writev(peer->pid, &local, 1, &remote, 1, 0) != (ssize_t)len) {
+            if (t.announce) sim_port_of(ep, dest)->posted--; /* the entry it had room for never comes */
             return refuse(ep, context, op_flags, len, errno == EPERM ? FI_EPERM : FI_EIO);
+        }
     }
-    uint64_t landed = sim_occupy_lines(ep, peer, len, now);
-    if (announce) {
-        uint64_t head = atomic_load_explicit(&port->head, memory_order_relaxed);
-        port->ring[head % SIM_RING] = (struct sim_entry){.due_ns = landed, .len = len, .data_off = (uint32_t)data_off,
-                                                         .kind = (uint32_t)kind, .imm = data & 0xffffffffu};
-        atomic_store_explicit(&port->head, head + 1, memory_order_release);
-    }
-    uint64_t due = landed + sim_model.latency_ns;
-    if (due < ep->last_due_ns) due = ep->last_due_ns;
-    ep->last_due_ns = due;
-    ep->tx[ep->tx_tail++ % SIM_TX] = (struct sim_pending){.due_ns = due, .context = context, .flags = op_flags,
-                                                          .len = len, .dest = (uint32_t)dest};
+    t.tx_start_ns = sim_occupy_tx(ep->domain, len, now);
+    ep->tx[ep->tx_tail++ % SIM_TX] = t;
+    sim_send_due(ep, now);
     return 0;
 }
 
