@@ -15,8 +15,9 @@ import threading
 import numpy as np
 import pytest
 
-from fabriclab import fi
+from fabriclab import engine as engine_module, fi
 from sim_fault_writer import drive
+from test_api import PeerProcess
 from test_sim import HERE, NIC_A, NIC_B, pair, pump, run_python  # noqa: F401 (pair: the fixture)
 
 SIM_ENV = {"FABRICLAB_PROVIDER": "sim"}
@@ -260,3 +261,37 @@ def test_engine_reports_no_success_for_writes_into_a_target_killed_mid_transfer(
     out = run_python(code, FABRICLAB_SIM_NICS="2", FABRICLAB_SIM_GBPS="0.03", **SIM_ENV)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("PeerLost"), out.stdout
+
+
+def test_engine_names_the_sender_limit_of_the_peers_endpoint(monkeypatch):
+    """A writer Engine into a target Engine whose endpoint already hears SENDER_LIMIT sending endpoints (this
+    process's, each with a message waiting there) is told that, not "peer gone or stalled?" nor "check the
+    descriptor". One modeled NIC on both engines."""
+    monkeypatch.setenv("FABRICLAB_SIM_NICS", "1")
+    target = PeerProcess(("sim", None), 1 << 20)
+    senders = _senders(SENDER_LIMIT)
+    try:
+        _, (nic,), _ = engine_module._parse_address(target.address)
+        for domain, _, ep in senders:
+            mr = domain.register(np.zeros(1, dtype=np.uint8), endpoint=ep)
+            assert ep.try_post_send(mr, 0, 1, ep.av.insert(nic), "hold a port")
+        code = ("import sys\nimport numpy as np\n"
+                f"sys.path.insert(0, {str(HERE)!r})\n"
+                "from fabriclab import Engine, TransferError\n"
+                "with Engine('sim', pin=False, timeout=10, gpu=False) as engine:\n"
+                "    region = engine.register(np.ones(4096, np.uint8))\n"
+                f"    peer = engine.connect(bytes.fromhex({target.address.hex()!r}))\n"
+                f"    future = peer.write_pages(region, [0], bytes.fromhex({target.descriptor.hex()!r}), [0], 4096,"
+                " imm=1)\n"
+                "    try:\n"
+                "        print('ok', future.result(20))\n"
+                "    except TransferError as exc:\n"
+                "        print(type(exc).__name__, exc)\n")
+        out = run_python(code, **SIM_ENV)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("WriteRejected"), out.stdout
+        assert f"{SENDER_LIMIT} sending endpoints" in out.stdout and "stalled" not in out.stdout, out.stdout
+    finally:
+        for domain, *_ in senders:
+            domain.parent.close()
+        target.close()
