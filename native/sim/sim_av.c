@@ -15,15 +15,15 @@ static int av_insert(struct fid_av *fid, const void *addr, size_t count, fi_addr
         int pid, fd, slot;
         uint32_t serial;
         struct sim_segment *seg = NULL;
+        struct sim_watch *watch = NULL;
         if (av->count < SIM_MAX_AV && sim_parse_addr(a, &pid, &fd, &serial, &slot) == 0)
             seg = sim_map_peer(pid, fd, serial);
-        if (!seg) {
+        if (seg && !(watch = sim_watch_open(pid))) munmap(seg, sim_segment_size());
+        if (!watch) {
             if (fi_addr) fi_addr[i] = FI_ADDR_NOTAVAIL;
             continue;
         }
-        struct sim_peer *p = &av->peers[av->count];
-        *p = (struct sim_peer){.seg = seg, .pid = pid, .pidfd = sim_watch_open(pid), .serial = serial, .slot = slot};
-        atomic_store(&p->alive_ns, sim_now_ns()); /* its segment was there: alive, at the latest, now */
+        av->peers[av->count] = (struct sim_peer){.seg = seg, .pid = pid, .watch = watch, .serial = serial, .slot = slot};
         if (fi_addr) fi_addr[i] = (fi_addr_t)av->count;
         av->count++;
         inserted++;
@@ -36,7 +36,7 @@ static void forget(struct sim_av *av, fi_addr_t i) {
     struct sim_peer *p = &av->peers[i];
     for (int e = 0; e < SIM_EPS; e++)
         if (av->eps[e]) sim_release_port(av->eps[e], i);
-    sim_watch_close(p->pidfd);
+    sim_watch_close(p->watch);
     munmap(p->seg, sim_segment_size());
     p->seg = NULL;
 }

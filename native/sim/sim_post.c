@@ -54,7 +54,7 @@ static void leave(struct sim_ep *ep, struct sim_pending *t) {
     }
     t->landed_ns = sim_occupy_rx(peer, t->len, t->tx_start_ns);
     if (t->announce) {
-        struct sim_port *port = sim_port_of(ep, t->dest);
+        struct sim_port *port = &peer->seg->ports[peer->slot][ep->port_of[t->dest] - 1]; /* claimed at post */
         uint64_t head = atomic_load_explicit(&port->head, memory_order_relaxed);
         port->ring[head % SIM_RING] = (struct sim_entry){.due_ns = t->landed_ns, .len = t->len, .data_at = t->data_at,
                                                          .kind = (uint32_t)t->kind, .imm = t->imm};
