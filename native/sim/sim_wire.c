@@ -43,7 +43,10 @@ void sim_model_read(void) {
 
 uint32_t sim_next_serial(void) {
     static _Atomic uint32_t serial;
-    return atomic_fetch_add(&serial, 1) + 1;
+    uint32_t next;
+    do next = (atomic_fetch_add(&serial, 1) + 1) & SIM_SERIAL_MASK; /* never 0 */
+    while (!next);
+    return next;
 }
 
 /* -------------------------------------------------------------------------------- shared segment */
@@ -56,18 +59,49 @@ char *sim_port_data(struct sim_segment *s, int slot, int port) {
     return (char *)s + sizeof(struct sim_segment) + ((size_t)slot * SIM_PORTS + port) * SIM_DATA_BYTES;
 }
 
-/* The address a peer inserts: text, so that fi_av_straddr and fabriclab's describe() can print it. */
-void sim_format_addr(char *out, int pid, int fd, uint32_t serial, int slot) {
+/* The address a peer inserts: text, so that fi_av_straddr and fabriclab's describe() can print it, in the
+ * 32 bytes of EFA's: the NIC, then the process, its segment's descriptor and serial, and the endpoint's slot. */
+int sim_format_addr(char *out, int nic, int pid, int fd, uint32_t serial, int slot) {
     memset(out, 0, SIM_ADDR_LEN);
-    snprintf(out, SIM_ADDR_LEN, "sim://%d/%d/%u/%d", pid, fd, serial, slot);
+    int n = snprintf(out, SIM_ADDR_LEN, "sim:%x/%x/%x/%x/%x", (unsigned)nic, (unsigned)pid, (unsigned)fd, serial,
+                     (unsigned)slot);
+    return n > 0 && n < SIM_ADDR_LEN ? 0 : -FI_ENOSPC;
 }
 
-int sim_parse_addr(const void *addr, int *pid, int *fd, uint32_t *serial, int *slot) {
+int sim_parse_addr(const void *addr, int *nic, int *pid, int *fd, uint32_t *serial, int *slot) {
     char text[SIM_ADDR_LEN + 1];
+    unsigned v[5];
+    int end = -1;
     memcpy(text, addr, SIM_ADDR_LEN);
     text[SIM_ADDR_LEN] = 0;
-    return sscanf(text, "sim://%d/%d/%u/%d", pid, fd, serial, slot) == 4 && *slot >= 0 && *slot < SIM_EPS
-               ? 0 : -FI_EINVAL;
+    if (sscanf(text, "sim:%x/%x/%x/%x/%x%n", &v[0], &v[1], &v[2], &v[3], &v[4], &end) != 5 || text[end] ||
+        v[1] > INT32_MAX || v[2] > INT32_MAX || v[4] >= SIM_EPS)
+        return -FI_EINVAL;
+    *nic = (int)v[0], *pid = (int)v[1], *fd = (int)v[2], *serial = v[3], *slot = (int)v[4];
+    return 0;
+}
+
+/* A NIC's own address (fi_getinfo's source address, as EFA's names its device before any endpoint exists). */
+void sim_format_nic_addr(char *out, int nic) {
+    memset(out, 0, SIM_ADDR_LEN);
+    snprintf(out, SIM_ADDR_LEN, "sim:%x", (unsigned)nic);
+}
+
+/* The NIC an address (a NIC's or an endpoint's) names, or -1. */
+int sim_parse_nic(const void *addr, size_t len) {
+    char text[SIM_ADDR_LEN + 1];
+    unsigned nic;
+    int end = -1;
+    if (!addr || len > SIM_ADDR_LEN) return -1;
+    memcpy(text, addr, len);
+    text[len] = 0;
+    if (sscanf(text, "sim:%x%n", &nic, &end) != 1 || (text[end] && text[end] != '/')) return -1;
+    if (text[end] == '/') {
+        int n, pid, fd, slot;
+        uint32_t serial;
+        if (len != SIM_ADDR_LEN || sim_parse_addr(addr, &n, &pid, &fd, &serial, &slot)) return -1;
+    }
+    return nic < 1024 ? (int)nic : -1;
 }
 
 int sim_process_gone(int pid) { return kill(pid, 0) < 0 && errno == ESRCH; }
@@ -90,16 +124,18 @@ struct sim_segment *sim_map_peer(int pid, int fd, uint32_t serial) {
 
 /* Is the process behind a peer gone? Asked only while writes to it are pending, at most every 10 ms. */
 int sim_peer_dead(struct sim_peer *p, uint64_t now) {
-    if (p->dead) return 1;
-    if (now - p->checked_ns < SIM_LIVENESS_NS) return 0;
-    p->checked_ns = now;
-    p->dead = !atomic_load_explicit(&p->seg->alive, memory_order_acquire) || sim_process_gone(p->pid);
-    return p->dead;
+    if (atomic_load_explicit(&p->dead, memory_order_relaxed)) return 1;
+    if (now - atomic_load_explicit(&p->checked_ns, memory_order_relaxed) < SIM_LIVENESS_NS) return 0;
+    atomic_store_explicit(&p->checked_ns, now, memory_order_relaxed);
+    int dead = !atomic_load_explicit(&p->seg->alive, memory_order_acquire) || sim_process_gone(p->pid);
+    if (dead) atomic_store_explicit(&p->dead, 1, memory_order_relaxed);
+    return dead;
 }
 
 /* ----------------------------------------------------------------------------------------- ports */
 
-/* Claim a port in the peer's segment for this endpoint: it is then the port's only producer. */
+/* Claim a port in the peer's segment for this endpoint: it is then the port's only producer. Its index, or
+ * -FI_EAGAIN. */
 int sim_claim_port(struct sim_ep *ep, struct sim_peer *peer) {
     uint64_t me = ((uint64_t)getpid() << 32) | ep->domain->serial;
     for (int i = 0; i < SIM_PORTS; i++) {
@@ -113,15 +149,13 @@ int sim_claim_port(struct sim_ep *ep, struct sim_peer *peer) {
         port->data_head = atomic_load(&port->data_tail);
         atomic_store(&port->head, atomic_load(&port->tail));
         atomic_fetch_or(&peer->seg->ports_used[peer->slot], 1ull << i);
-        peer->port = i;
-        return 0;
+        return i;
     }
     return -FI_EAGAIN;
 }
 
-void sim_release_port(struct sim_peer *p) {
-    if (p->seg && p->port >= 0) atomic_store_explicit(&p->seg->ports[p->slot][p->port].closed, 1, memory_order_release);
-    p->port = -1;
+void sim_release_port(struct sim_peer *p, int port) {
+    if (p->seg && port >= 0) atomic_store_explicit(&p->seg->ports[p->slot][port].closed, 1, memory_order_release);
 }
 
 /* Reserve len contiguous bytes of the port's data ring (a message never wraps); offset or -1 when full. */
@@ -142,9 +176,13 @@ int64_t sim_reserve_data(struct sim_port *port, size_t len) {
 uint64_t sim_occupy_lines(struct sim_ep *ep, struct sim_peer *peer, size_t len, uint64_t now) {
     struct sim_domain *d = ep->domain;
     uint64_t wire = (uint64_t)(len * sim_model.ns_per_byte);
-    uint64_t tx_start = d->tx_free_ns > now ? d->tx_free_ns : now;
-    uint64_t tx_end = tx_start + wire;
-    d->tx_free_ns = tx_end;
+    /* the domain's endpoints share its transmit line and may post from several threads (FI_THREAD_SAFE) */
+    uint64_t tx_free = atomic_load_explicit(&d->tx_free_ns, memory_order_relaxed), tx_start, tx_end;
+    do {
+        tx_start = tx_free > now ? tx_free : now;
+        tx_end = tx_start + wire;
+    } while (!atomic_compare_exchange_weak_explicit(&d->tx_free_ns, &tx_free, tx_end, memory_order_relaxed,
+                                                    memory_order_relaxed));
     uint64_t first_byte = tx_start + sim_model.latency_ns, last_byte = tx_end + sim_model.latency_ns;
     uint64_t rx_free = atomic_load_explicit(&peer->seg->rx_free_ns, memory_order_relaxed), rx_end;
     do {
