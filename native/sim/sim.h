@@ -3,7 +3,7 @@
  * The model, and only the model, is physical (docs/model.md describes it whole): each domain is one NIC
  * with a line rate, a one-way latency and queue depths. A write or send posted on a NIC occupies its
  * transmit line for bytes * 8 / rate after the line is free, and the target NIC's receive line for as
- * long (several writers on one target NIC queue behind each other). The target reads the completion
+ * long (several writers on one target NIC share it in the order their bytes arrive). The target reads the completion
  * (immediate data, received message) once the last byte has landed; the writer reads its own one latency
  * later (the acknowledgement). Time is CLOCK_MONOTONIC, looked at when the application polls a CQ: no
  * thread runs behind the application's back.
@@ -48,7 +48,8 @@
 #define SIM_FABRIC_PAYLOAD "modeled-p5-payload"
 #define SIM_MAGIC 0x31504d49534c4600ULL /* "\0FLSIMP1" */
 #define SIM_EPS 8                        /* endpoints per domain (NIC) */
-#define SIM_PORTS 32                     /* sending endpoints one endpoint can hear at once */
+#define SIM_PORTS 256                    /* sending endpoints one endpoint can hear at once */
+#define SIM_PORT_WORDS (SIM_PORTS / 64)
 #define SIM_RING 8192                    /* entries per port: the receive queue depth (rx 8192) */
 #define SIM_MRS 262144                   /* registrations per domain, as EFA reports (mr_cnt) */
 #define SIM_MR_SLOT_BITS 18              /* a 4-byte key (EFA's mr_key_size): slot, then generation */
@@ -63,13 +64,16 @@
 #define SIM_MAX_AV 4096
 #define SIM_ADDR_LEN 32                  /* as EFA's addresses: "sim:<nic>/<pid>/<fd>/<serial>/<slot>" in hex */
 #define SIM_SERIAL_MASK 0xffffffu        /* a domain's serial, as it fits its address */
-#define SIM_LIVENESS_NS 10000000ull /* a peer's process is looked for at most every 10 ms */
 #define SIM_CAPS (FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | FI_LOCAL_COMM | FI_REMOTE_COMM)
 #define SIM_CACHELINE 64
 #define SIM_ERRS 256
-#define SIM_ERR_TEXT 96
+#define SIM_ERR_TEXT 256                 /* an error completion's text (max_err_data) */
+#define SIM_XSTR(x) #x
+#define SIM_STR(x) SIM_XSTR(x)
 
-enum sim_kind { SIM_KIND_WRITE_DATA = 1, SIM_KIND_SEND = 2, SIM_KIND_SEND_DATA = 3 /* a send with immediate data */ };
+/* What a ring entry announces; SIM_KIND_TAKEN once the target has read it (it may read past a message that
+ * waits for a receive, so entries are taken out of order and the ring's tail follows the taken ones). */
+enum sim_kind { SIM_KIND_WRITE_DATA = 1, SIM_KIND_SEND = 2, SIM_KIND_TAKEN = 3, SIM_KIND_SEND_DATA = 4 };
 
 /* ------------------------------------------------------------------------------------- the model */
 
@@ -84,23 +88,25 @@ extern struct sim_model sim_model;
 
 /* -------------------------------------------------------------------------------- shared segment */
 
-struct sim_entry { /* 32 bytes: one message or write announced to the target */
-    uint64_t due_ns;
+struct sim_entry { /* 32 bytes: one message or write announced to the target, once its bytes left the sender */
+    uint64_t due_ns; /* when its last byte has landed */
     uint64_t len;
-    uint32_t data_off; /* messages: where their bytes are in the port's data ring */
+    uint64_t data_at; /* messages: where their bytes start in the port's data stream (at data_at % SIM_DATA_BYTES) */
     uint32_t kind;
-    uint64_t imm;
+    uint32_t imm;
 };
 
+/* Positions (head, tail, data_*) count from the port's claim and never wrap: a slot is position % size. */
 struct sim_port {
     _Atomic uint64_t owner; /* 0: free; else the sender's pid << 32 | its domain's serial */
     _Atomic int closed;     /* the sender is gone: the target frees the port once it is drained */
     char pad0[SIM_CACHELINE - 12];
-    _Atomic uint64_t head; /* producer */
-    uint64_t data_head;
-    char pad1[SIM_CACHELINE - 16];
-    _Atomic uint64_t tail; /* consumer */
-    _Atomic uint64_t data_tail;
+    _Atomic uint64_t head; /* producer: entries published (their bytes left the sender) */
+    uint64_t posted;       /* producer: entries posted, published or not (posted - tail <= SIM_RING) */
+    uint64_t data_head;    /* producer: bytes of messages placed in the data ring */
+    char pad1[SIM_CACHELINE - 24];
+    _Atomic uint64_t tail;      /* consumer: entries before it are taken */
+    _Atomic uint64_t data_tail; /* consumer: message bytes before it are read */
     char pad2[SIM_CACHELINE - 16];
     struct sim_entry ring[SIM_RING];
 };
@@ -119,7 +125,9 @@ struct sim_segment {
     char pad0[SIM_CACHELINE - 20];
     _Atomic uint64_t rx_free_ns; /* when this NIC's receive line is next free */
     char pad1[SIM_CACHELINE - 8];
-    _Atomic uint64_t ports_used[SIM_EPS]; /* per endpoint, bit i: its port i was claimed (it scans only these) */
+    _Atomic uint64_t polled_ns; /* when this process last polled a CQ of this domain: it was alive then */
+    char pad2[SIM_CACHELINE - 8];
+    _Atomic uint64_t ports_used[SIM_EPS][SIM_PORT_WORDS]; /* per endpoint, bit i: its port i was claimed */
     struct sim_mr_slot mrs[SIM_MRS];
     struct sim_port ports[SIM_EPS][SIM_PORTS];
     /* then SIM_EPS * SIM_PORTS data rings of SIM_DATA_BYTES */
@@ -157,11 +165,12 @@ struct sim_mr {
 struct sim_peer {
     struct sim_segment *seg;
     int pid;
+    int pidfd; /* readable once the process has ended (a zombie too); -1 where pidfd_open is not offered */
     uint32_t serial;
-    int slot;                     /* its endpoint's slot in the segment */
-    _Atomic int dead;             /* its process is gone (endpoints sharing the AV look from any thread) */
-    _Atomic uint64_t checked_ns;
-    char addr[SIM_ADDR_LEN];      /* as inserted, for fi_av_lookup */
+    int slot;                       /* its endpoint's slot in the segment */
+    _Atomic uint64_t alive_ns;      /* when a look last found its process alive */
+    _Atomic uint64_t dead_after_ns; /* 0 while alive; once found gone, its last sign of life */
+    char addr[SIM_ADDR_LEN];        /* as inserted, for fi_av_lookup */
 };
 
 struct sim_av {
@@ -175,12 +184,23 @@ struct sim_av {
 };
 
 struct sim_pending { /* a posted operation whose local completion is not due yet */
-    uint64_t due_ns;
+    uint64_t tx_start_ns; /* when its first byte leaves this NIC */
+    uint64_t landed_ns;   /* when its last byte lands at the target; 0 until it has left */
+    uint64_t due_ns;      /* its acknowledgement, once it has left */
     void *context;
     uint64_t flags;
     uint64_t len;
+    uint64_t data_at; /* messages: where their bytes are in the port's data stream */
     uint32_t dest;
+    uint32_t imm;
+    int kind;     /* 0: refused at post (err says why) */
+    int announce; /* sends and writes with immediate data leave an entry in the target's port */
     int err;
+};
+
+struct sim_rx_port { /* the target's own view of one of its ports */
+    uint64_t scan;    /* entries before it were looked at: taken, or messages waiting for a receive */
+    uint64_t waiting; /* messages among them waiting for a receive */
 };
 
 struct sim_recv {
@@ -208,12 +228,12 @@ struct sim_ep {
     int enabled;
     atomic_flag lock; /* posting and progress of one endpoint from several threads (FI_THREAD_SAFE) */
     struct sim_pending tx[SIM_TX];
-    uint64_t tx_head, tx_tail;
+    uint64_t tx_head, tx_sent, tx_tail; /* completed | left the NIC | waiting for the line | free */
     struct sim_recv rx[SIM_RX];
     uint64_t rx_head, rx_tail;
-    uint64_t last_due_ns; /* local completions come in posting order */
-    uint64_t next_liveness_ns;
-    int16_t ports[SIM_MAX_AV]; /* per peer: our port in its endpoint's slot (its only producer), -1 until needed */
+    uint64_t last_due_ns;             /* local completions come in posting order */
+    int16_t port_of[SIM_MAX_AV];      /* per AV entry: our port in that peer's endpoint + 1, 0 until claimed */
+    struct sim_rx_port rx_ports[SIM_PORTS];
 };
 
 struct sim_cq {
@@ -242,13 +262,18 @@ int sim_format_addr(char *out, int nic, int pid, int fd, uint32_t serial, int sl
 int sim_parse_addr(const void *addr, int *nic, int *pid, int *fd, uint32_t *serial, int *slot);
 void sim_format_nic_addr(char *out, int nic);
 int sim_parse_nic(const void *addr, size_t len);
-int sim_process_gone(int pid);
+int sim_process_gone(int pid, int pidfd);
 struct sim_segment *sim_map_peer(int pid, int fd, uint32_t serial);
-int sim_peer_dead(struct sim_peer *p, uint64_t now);
-int sim_claim_port(struct sim_ep *ep, struct sim_peer *peer);
-void sim_release_port(struct sim_peer *p, int port);
+int sim_watch_open(int pid);
+void sim_watch_close(int pidfd);
+int sim_peer_known_dead(struct sim_peer *p, uint64_t when);
+int sim_peer_alive_at(struct sim_peer *p, uint64_t when, uint64_t now);
+struct sim_port *sim_port_of(struct sim_ep *ep, fi_addr_t dest);
+int sim_claim_port(struct sim_ep *ep, fi_addr_t dest);
+void sim_release_port(struct sim_ep *ep, fi_addr_t dest);
 int64_t sim_reserve_data(struct sim_port *port, size_t len);
-uint64_t sim_occupy_lines(struct sim_ep *ep, struct sim_peer *peer, size_t len, uint64_t now);
+uint64_t sim_occupy_tx(struct sim_domain *d, size_t len, uint64_t now);
+uint64_t sim_occupy_rx(struct sim_peer *peer, size_t len, uint64_t tx_start);
 
 /* ------------------------------------------------------------------- sim_getinfo.c: fi_getinfo */
 
@@ -282,12 +307,14 @@ void sim_ep_lock(struct sim_ep *ep);
 void sim_ep_unlock(struct sim_ep *ep);
 extern struct fi_ops_msg sim_msg_ops;
 extern struct fi_ops_rma sim_rma_ops;
+void sim_send_due(struct sim_ep *ep, uint64_t now);
 size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now);
 size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now);
 
 /* ------------------------------------------------------------------------------------ sim_cq.c */
 
-void sim_cq_push_error(struct sim_cq *cq, void *context, uint64_t flags, size_t len, int err, const char *fmt, ...)
+const char *sim_error_text(int err);
+int sim_cq_push_error(struct sim_cq *cq, void *context, uint64_t flags, size_t len, int err, const char *fmt, ...)
     __attribute__((format(printf, 6, 7)));
 void sim_cq_fill(struct sim_cq *cq, void *buf, size_t i, void *context, uint64_t flags, size_t len, void *data_buf,
                  uint64_t data);

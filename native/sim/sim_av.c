@@ -26,7 +26,8 @@ static int av_insert(struct fid_av *fid, const void *addr, size_t count, fi_addr
             continue;
         }
         struct sim_peer *p = &av->peers[at];
-        *p = (struct sim_peer){.seg = seg, .pid = pid, .serial = serial, .slot = slot};
+        *p = (struct sim_peer){.seg = seg, .pid = pid, .pidfd = sim_watch_open(pid), .serial = serial, .slot = slot};
+        atomic_store(&p->alive_ns, sim_now_ns()); /* its segment was there: alive, at the latest, now */
         memcpy(p->addr, a, SIM_ADDR_LEN);
         atomic_store_explicit(&av->count, at + 1, memory_order_release); /* posts from other threads see it filled */
         if (fi_addr) fi_addr[i] = (fi_addr_t)at;
@@ -36,15 +37,17 @@ static int av_insert(struct fid_av *fid, const void *addr, size_t count, fi_addr
     return inserted;
 }
 
-/* Every bound endpoint gives back the port it claimed at this peer. */
-static void release_ports(struct sim_av *av, fi_addr_t at) {
+/* The peer is forgotten: the endpoints bound here give back their ports in it, and its mapping goes. */
+static void forget(struct sim_av *av, fi_addr_t at) {
+    struct sim_peer *p = &av->peers[at];
     for (int e = 0; e < av->neps; e++) {
-        struct sim_ep *ep = av->eps[e];
-        sim_ep_lock(ep);
-        sim_release_port(&av->peers[at], ep->ports[at]);
-        ep->ports[at] = -1;
-        sim_ep_unlock(ep);
+        sim_ep_lock(av->eps[e]);
+        sim_release_port(av->eps[e], at);
+        sim_ep_unlock(av->eps[e]);
     }
+    sim_watch_close(p->pidfd);
+    munmap(p->seg, sim_segment_size());
+    p->seg = NULL;
 }
 
 static int av_remove(struct fid_av *fid, fi_addr_t *fi_addr, size_t count, uint64_t flags) {
@@ -57,10 +60,7 @@ static int av_remove(struct fid_av *fid, fi_addr_t *fi_addr, size_t count, uint6
             rc = -FI_EINVAL;
             break;
         }
-        struct sim_peer *p = &av->peers[fi_addr[i]];
-        release_ports(av, fi_addr[i]);
-        munmap(p->seg, sim_segment_size());
-        p->seg = NULL;
+        forget(av, fi_addr[i]);
     }
     pthread_mutex_unlock(&av->lock);
     return rc;
@@ -102,7 +102,7 @@ int sim_av_bind(struct sim_av *av, struct sim_ep *ep) {
 
 void sim_av_unbind(struct sim_av *av, struct sim_ep *ep) {
     pthread_mutex_lock(&av->lock);
-    for (int i = 0; i < av->count; i++) sim_release_port(&av->peers[i], ep->ports[i]);
+    for (int i = 0; i < av->count; i++) sim_release_port(ep, (fi_addr_t)i);
     for (int i = 0; i < av->neps; i++)
         if (av->eps[i] == ep) av->eps[i] = av->eps[--av->neps];
     pthread_mutex_unlock(&av->lock);
@@ -115,7 +115,7 @@ static int av_close(struct fid *fid) {
     pthread_mutex_unlock(&av->lock);
     if (bound) return -FI_EBUSY; /* its endpoints still send through it */
     for (int i = 0; i < av->count; i++)
-        if (av->peers[i].seg) munmap(av->peers[i].seg, sim_segment_size());
+        if (av->peers[i].seg) forget(av, (fi_addr_t)i);
     atomic_fetch_sub(&av->domain->refs, 1);
     pthread_mutex_destroy(&av->lock);
     free(av);

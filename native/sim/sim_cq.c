@@ -7,8 +7,23 @@
 #include <string.h>
 #include <time.h>
 
-void sim_cq_push_error(struct sim_cq *cq, void *context, uint64_t flags, size_t len, int err, const char *fmt, ...) {
-    if (cq->err_tail - cq->err_head >= SIM_ERRS) return; /* the oldest errors are already waiting to be read */
+/* The text of an error completion for a post refused before it left, where strerror would not say why. */
+const char *sim_error_text(int err) {
+    switch (err) {
+    case FI_ENOSPC:
+        return "the target endpoint hears " SIM_STR(SIM_PORTS) " sending endpoints already, the most the model "
+               "gives one endpoint (docs/model.md): a port frees when one of them closes its endpoint";
+    case FI_EHOSTUNREACH:
+        return "the peer process is gone (closed or killed)";
+    default:
+        return strerror(err);
+    }
+}
+
+/* Queue an error entry: 0, or -1 when the queue is full. A caller then keeps the operation where it is and
+ * reports it once the application has read the errors ahead of it: none is ever dropped. */
+int sim_cq_push_error(struct sim_cq *cq, void *context, uint64_t flags, size_t len, int err, const char *fmt, ...) {
+    if (cq->err_tail - cq->err_head >= SIM_ERRS) return -1;
     uint64_t i = cq->err_tail % SIM_ERRS;
     struct fi_cq_err_entry *e = &cq->errs[i];
     memset(e, 0, sizeof *e);
@@ -22,6 +37,7 @@ void sim_cq_push_error(struct sim_cq *cq, void *context, uint64_t flags, size_t 
     vsnprintf(cq->err_text[i], sizeof cq->err_text[i], fmt, ap);
     va_end(ap);
     cq->err_tail++;
+    return 0;
 }
 
 void sim_cq_fill(struct sim_cq *cq, void *buf, size_t i, void *context, uint64_t flags, size_t len, void *data_buf,

@@ -3,7 +3,6 @@
 #include "sim.h"
 
 #include <stdlib.h>
-#include <string.h>
 #include <unistd.h>
 
 void sim_ep_lock(struct sim_ep *ep) {
@@ -99,7 +98,7 @@ static int ep_close(struct fid *fid) {
     if (ep->av) sim_av_unbind(ep->av, ep); /* gives back the ports this endpoint claimed */
     if (ep->eq) sim_eq_bind(ep->eq, -1);
     struct sim_domain *d = ep->domain;
-    atomic_store(&d->seg->ports_used[ep->slot], 0);
+    for (int w = 0; w < SIM_PORT_WORDS; w++) atomic_store(&d->seg->ports_used[ep->slot][w], 0);
     pthread_mutex_lock(&d->lock);
     d->slots_used &= ~(1u << ep->slot);
     pthread_mutex_unlock(&d->lock);
@@ -165,7 +164,6 @@ int sim_ep_open(struct fid_domain *dfid, struct fi_info *info, struct fid_ep **o
     ep->nic = d->index;
     ep->tx_op_flags = info && info->tx_attr ? info->tx_attr->op_flags : 0;
     ep->rx_op_flags = info && info->rx_attr ? info->rx_attr->op_flags : 0;
-    memset(ep->ports, 0xff, sizeof ep->ports); /* -1: no port claimed at any peer yet */
     atomic_flag_clear(&ep->lock);
     /* ports a closed endpoint of this slot left behind are free again */
     for (int i = 0; i < SIM_PORTS; i++) {

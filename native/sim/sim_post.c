@@ -26,9 +26,75 @@ static ssize_t refuse(struct sim_ep *ep, void *context, uint64_t flags, size_t l
     return 0;
 }
 
+/* What the target NIC checks before it lets a write into memory: 0 or the error it answers. */
+static int check_remote(struct sim_peer *peer, uint64_t raddr, size_t len, uint64_t key) {
+    struct sim_mr_slot *s = sim_mr_find(peer->seg, key);
+    if (!s) return FI_EKEYREJECTED;
+    if (!(s->access & FI_REMOTE_WRITE)) return FI_EACCES;
+    if (raddr < s->addr || raddr + len > s->addr + s->len || raddr + len < raddr) return FI_EFAULT;
+    return 0;
+}
+
+/* A message or immediate datum needs room in our port at the peer's endpoint: its ring entry (and a
+ * message its bytes, copied now, as the NIC reads the buffer when it is posted). 0, -FI_EAGAIN while the
+ * target has not read enough, or -FI_ENOSPC when its endpoint already hears as many senders as it can. */
+static int take_port_room(struct sim_ep *ep, struct sim_pending *t, fi_addr_t dest, const struct iovec *iov,
+                          size_t count) {
+    struct sim_peer *peer = &ep->av->peers[dest];
+    if (!sim_port_of(ep, dest)) {
+        int rc = sim_claim_port(ep, dest);
+        if (rc) return rc;
+    }
+    struct sim_port *port = sim_port_of(ep, dest);
+    if (port->posted - atomic_load_explicit(&port->tail, memory_order_acquire) >= SIM_RING) return -FI_EAGAIN;
+    if (t->kind == SIM_KIND_SEND) {
+        int64_t at = sim_reserve_data(port, t->len);
+        if (at < 0) return -FI_EAGAIN;
+        gather(sim_port_data(peer->seg, peer->slot, ep->port_of[dest] - 1) + at % SIM_DATA_BYTES, iov, count);
+        t->data_at = (uint64_t)at;
+    }
+    port->posted++;
+    return 0;
+}
+
+/* The operation's first byte leaves this NIC: it takes the target's receive line (in the order of arrival
+ * there) and, if it announces anything, its entry is published in our port. */
+static void leave(struct sim_ep *ep, struct sim_pending *t) {
+    struct sim_peer *peer = &ep->av->peers[t->dest];
+    if (!peer->seg || sim_peer_known_dead(peer, t->tx_start_ns)) { /* removed, or gone before the bytes left */
+        t->err = FI_EHOSTUNREACH;
+        return;
+    }
+    t->landed_ns = sim_occupy_rx(peer, t->len, t->tx_start_ns);
+    if (t->announce) {
+        struct sim_port *port = sim_port_of(ep, t->dest);
+        uint64_t head = atomic_load_explicit(&port->head, memory_order_relaxed);
+        uint32_t kind = t->kind == SIM_KIND_SEND && (t->flags & FI_REMOTE_CQ_DATA) ? SIM_KIND_SEND_DATA
+                                                                                   : (uint32_t)t->kind;
+        port->ring[head % SIM_RING] = (struct sim_entry){.due_ns = t->landed_ns, .len = t->len, .data_at = t->data_at,
+                                                         .kind = kind, .imm = t->imm};
+        atomic_store_explicit(&port->head, head + 1, memory_order_release);
+    }
+    t->due_ns = t->landed_ns + sim_model.latency_ns;
+    if (t->due_ns < ep->last_due_ns) t->due_ns = ep->last_due_ns;
+    ep->last_due_ns = t->due_ns;
+}
+
+/* Operations whose first byte has left the NIC by `now` go on the wire, in posting order. */
+void sim_send_due(struct sim_ep *ep, uint64_t now) {
+    for (; ep->tx_sent != ep->tx_tail; ep->tx_sent++) {
+        struct sim_pending *t = &ep->tx[ep->tx_sent % SIM_TX];
+        if (t->err) continue;
+        if (t->tx_start_ns > now) break;
+        leave(ep, t);
+    }
+}
+
 static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t count, fi_addr_t dest, uint64_t raddr,
                     uint64_t key, uint64_t data, void *context, uint64_t flags) {
-    uint64_t op_flags = (kind == SIM_KIND_SEND ? FI_MSG | FI_SEND : FI_RMA | FI_WRITE) | (flags & FI_COMPLETION);
+    /* FI_REMOTE_CQ_DATA rides along: a send with it announces a message with immediate data */
+    uint64_t op_flags = (kind == SIM_KIND_SEND ? FI_MSG | FI_SEND : FI_RMA | FI_WRITE) |
+                        (flags & (FI_COMPLETION | FI_REMOTE_CQ_DATA));
     size_t len = iov_bytes(iov, count);
     if (!ep->enabled) return -FI_EOPBADSTATE;
     if (dest >= (fi_addr_t)atomic_load_explicit(&ep->av->count, memory_order_acquire) || !ep->av->peers[dest].seg)
@@ -36,55 +102,29 @@ static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t
     struct sim_peer *peer = &ep->av->peers[dest];
     if (ep->tx_tail - ep->tx_head >= SIM_TX) return -FI_EAGAIN;
     uint64_t now = sim_now_ns();
-    if (sim_peer_dead(peer, now)) return refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
-    if (kind == SIM_KIND_SEND) {
-        if (len > SIM_DATA_BYTES) return -FI_EMSGSIZE;
-    } else {
-        /* what the target NIC checks before it lets the write into memory */
-        struct sim_mr_slot *s = sim_mr_find(peer->seg, key);
-        if (!s) return refuse(ep, context, op_flags, len, FI_EKEYREJECTED);
-        if (!(s->access & FI_REMOTE_WRITE)) return refuse(ep, context, op_flags, len, FI_EACCES);
-        if (raddr < s->addr || raddr + len > s->addr + s->len || raddr + len < raddr)
-            return refuse(ep, context, op_flags, len, FI_EFAULT);
-    }
-    int announce = kind == SIM_KIND_SEND || (flags & FI_REMOTE_CQ_DATA);
-    struct sim_port *port = NULL;
-    int64_t data_off = 0;
-    if (announce) {
-        if (ep->ports[dest] < 0) { /* this endpoint's own port: it is the only producer, whoever shares the AV */
-            int claimed = sim_claim_port(ep, peer);
-            if (claimed < 0) return -FI_EAGAIN;
-            ep->ports[dest] = (int16_t)claimed;
-        }
-        port = &peer->seg->ports[peer->slot][ep->ports[dest]];
-        uint64_t head = atomic_load_explicit(&port->head, memory_order_relaxed);
-        if (head - atomic_load_explicit(&port->tail, memory_order_acquire) >= SIM_RING) return -FI_EAGAIN;
-        if (kind == SIM_KIND_SEND) {
-            data_off = sim_reserve_data(port, len);
-            if (data_off < 0) return -FI_EAGAIN;
-            gather(sim_port_data(peer->seg, peer->slot, ep->ports[dest]) + data_off, iov, count);
-        }
+    if (sim_peer_known_dead(peer, now)) return refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
+    if (kind == SIM_KIND_SEND && len > SIM_DATA_BYTES) return -FI_EMSGSIZE;
+    int err = kind == SIM_KIND_SEND ? 0 : check_remote(peer, raddr, len, key);
+    if (err) return refuse(ep, context, op_flags, len, err);
+    struct sim_pending t = {.context = context, .flags = op_flags, .len = len, .dest = (uint32_t)dest,
+                            .imm = (uint32_t)data, .kind = kind,
+                            .announce = kind == SIM_KIND_SEND || (flags & FI_REMOTE_CQ_DATA)};
+    if (t.announce) {
+        int rc = take_port_room(ep, &t, dest, iov, count);
+        if (rc == -FI_ENOSPC) return refuse(ep, context, op_flags, len, FI_ENOSPC);
+        /* a full port whose target is gone is an error, not -FI_EAGAIN for ever */
+        if (rc) return sim_peer_alive_at(peer, now, now) ? rc : refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
     }
     if (kind != SIM_KIND_SEND && sim_model.payload && len) {
         struct iovec remote = {(void *)(uintptr_t)raddr, len};
-        if (process_vm_writev(peer->pid, iov, count, &remote, 1, 0) != (ssize_t)len)
+        if (process_vm_writev(peer->pid, iov, count, &remote, 1, 0) != (ssize_t)len) {
+            if (t.announce) sim_port_of(ep, dest)->posted--; /* the entry it had room for never comes */
             return refuse(ep, context, op_flags, len, errno == EPERM ? FI_EPERM : FI_EIO);
+        }
     }
-    uint64_t landed = sim_occupy_lines(ep, peer, len, now);
-    if (announce) {
-        uint64_t head = atomic_load_explicit(&port->head, memory_order_relaxed);
-        port->ring[head % SIM_RING] = (struct sim_entry){.due_ns = landed, .len = len, .data_off = (uint32_t)data_off,
-                                                         .kind = (uint32_t)(kind == SIM_KIND_SEND &&
-                                                                            (flags & FI_REMOTE_CQ_DATA)
-                                                                            ? SIM_KIND_SEND_DATA : kind),
-                                                         .imm = data & 0xffffffffu};
-        atomic_store_explicit(&port->head, head + 1, memory_order_release);
-    }
-    uint64_t due = landed + sim_model.latency_ns;
-    if (due < ep->last_due_ns) due = ep->last_due_ns;
-    ep->last_due_ns = due;
-    ep->tx[ep->tx_tail++ % SIM_TX] = (struct sim_pending){.due_ns = due, .context = context, .flags = op_flags,
-                                                          .len = len, .dest = (uint32_t)dest};
+    t.tx_start_ns = sim_occupy_tx(ep->domain, len, now);
+    ep->tx[ep->tx_tail++ % SIM_TX] = t;
+    sim_send_due(ep, now);
     return 0;
 }
 

@@ -1,14 +1,16 @@
-/* The model's parameters, the shared segment through which processes meet, its ports (one
- * single-producer/single-consumer ring per sending endpoint) and the timing of the lines. */
+/* The model's parameters, the shared segment through which processes meet, whether a peer lives, its ports
+ * (one single-producer/single-consumer ring per sending endpoint) and the timing of the lines. */
 #include "sim.h"
 
 #include <errno.h>
 #include <fcntl.h>
-#include <signal.h>
+#include <poll.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -104,7 +106,24 @@ int sim_parse_nic(const void *addr, size_t len) {
     return nic < 1024 ? (int)nic : -1;
 }
 
-int sim_process_gone(int pid) { return kill(pid, 0) < 0 && errno == ESRCH; }
+/* Is the process gone: exited, killed, or a zombie its parent has not reaped (its NIC takes nothing more)?
+ * With a pidfd one poll says so, and a pid used again by another process cannot fool it; else /proc. */
+int sim_process_gone(int pid, int pidfd) {
+    if (pidfd >= 0) {
+        struct pollfd p = {.fd = pidfd, .events = POLLIN};
+        return poll(&p, 1, 0) > 0;
+    }
+    char path[40], stat[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT || errno == ESRCH;
+    ssize_t n = read(fd, stat, sizeof stat - 1);
+    close(fd);
+    if (n <= 0) return 1;
+    stat[n] = 0;
+    const char *state = strrchr(stat, ')'); /* "pid (comm) S ...": comm may itself hold ')' */
+    return !state || state[1] != ' ' || state[2] == 'Z' || state[2] == 'X';
+}
 
 struct sim_segment *sim_map_peer(int pid, int fd, uint32_t serial) {
     char path[64];
@@ -122,43 +141,120 @@ struct sim_segment *sim_map_peer(int pid, int fd, uint32_t serial) {
     return seg;
 }
 
-/* Is the process behind a peer gone? Asked only while writes to it are pending, at most every 10 ms. */
-int sim_peer_dead(struct sim_peer *p, uint64_t now) {
-    if (atomic_load_explicit(&p->dead, memory_order_relaxed)) return 1;
-    if (now - atomic_load_explicit(&p->checked_ns, memory_order_relaxed) < SIM_LIVENESS_NS) return 0;
-    atomic_store_explicit(&p->checked_ns, now, memory_order_relaxed);
-    int dead = !atomic_load_explicit(&p->seg->alive, memory_order_acquire) || sim_process_gone(p->pid);
-    if (dead) atomic_store_explicit(&p->dead, 1, memory_order_relaxed);
-    return dead;
+/* ------------------------------------------------------------------------------------- liveness */
+
+/* One pidfd per peer process, shared by every AV entry that names it (an engine inserts each peer once per
+ * NIC): a process with many peers holds one descriptor for each, not one per NIC. */
+static struct sim_watch {
+    int pid, pidfd, refs;
+} *watches;
+static int watch_count;
+static pthread_mutex_t watch_lock = PTHREAD_MUTEX_INITIALIZER;
+
+int sim_watch_open(int pid) {
+    pthread_mutex_lock(&watch_lock);
+    int pidfd = -1;
+    for (int i = 0; i < watch_count && pidfd < 0; i++)
+        if (watches[i].pid == pid && !sim_process_gone(pid, watches[i].pidfd)) { /* not an earlier holder of pid */
+            watches[i].refs++;
+            pidfd = watches[i].pidfd;
+        }
+    struct sim_watch *grown = pidfd < 0 ? realloc(watches, (watch_count + 1) * sizeof *watches) : NULL;
+    if (grown) {
+        watches = grown;
+        pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+        if (pidfd >= 0) watches[watch_count++] = (struct sim_watch){pid, pidfd, 1};
+    }
+    pthread_mutex_unlock(&watch_lock);
+    return pidfd;
+}
+
+void sim_watch_close(int pidfd) {
+    if (pidfd < 0) return;
+    pthread_mutex_lock(&watch_lock);
+    for (int i = 0; i < watch_count; i++)
+        if (watches[i].pidfd == pidfd && --watches[i].refs == 0) {
+            close(pidfd);
+            watches[i] = watches[--watch_count];
+            break;
+        }
+    if (!watch_count) { /* nothing left for the library to hold when libfabric unloads it */
+        free(watches);
+        watches = NULL;
+    }
+    pthread_mutex_unlock(&watch_lock);
+}
+
+/* The peer was found gone and its last sign of life came before `when`: nothing of ours lands there after. */
+int sim_peer_known_dead(struct sim_peer *p, uint64_t when) {
+    uint64_t dead_after = atomic_load_explicit(&p->dead_after_ns, memory_order_relaxed);
+    return dead_after && when > dead_after;
+}
+
+/* Was the peer's process alive at `when` (a time already past)? Signs of life: its own last poll of a CQ
+ * of that NIC, and our last look at the process. Only when neither is that recent do we look again: then
+ * a process found gone is judged at its last sign of life, so a write that landed before it died still
+ * succeeds, however late its writer asks. */
+int sim_peer_alive_at(struct sim_peer *p, uint64_t when, uint64_t now) {
+    uint64_t dead_after = atomic_load_explicit(&p->dead_after_ns, memory_order_relaxed);
+    if (dead_after) return when <= dead_after;
+    uint64_t seen = atomic_load_explicit(&p->alive_ns, memory_order_relaxed);
+    uint64_t polled = atomic_load_explicit(&p->seg->polled_ns, memory_order_relaxed);
+    if (polled > seen) seen = polled;
+    if (when <= seen) return 1;
+    int open = atomic_load_explicit(&p->seg->alive, memory_order_acquire); /* its domain is not closed */
+    if (open && (p->pid == getpid() || !sim_process_gone(p->pid, p->pidfd))) {
+        atomic_store_explicit(&p->alive_ns, now, memory_order_relaxed);
+        return 1;
+    }
+    uint64_t expected = 0;
+    atomic_compare_exchange_strong(&p->dead_after_ns, &expected, seen); /* seen: at least the insert */
+    return when <= atomic_load(&p->dead_after_ns);
 }
 
 /* ----------------------------------------------------------------------------------------- ports */
 
-/* Claim a port in the peer's segment for this endpoint: it is then the port's only producer. Its index, or
- * -FI_EAGAIN. */
-int sim_claim_port(struct sim_ep *ep, struct sim_peer *peer) {
-    uint64_t me = ((uint64_t)getpid() << 32) | ep->domain->serial;
+static uint64_t port_owner(const struct sim_ep *ep) { return ((uint64_t)getpid() << 32) | ep->domain->serial; }
+
+/* Our port into the endpoint an AV entry names; NULL until the first message or immediate datum to it. */
+struct sim_port *sim_port_of(struct sim_ep *ep, fi_addr_t dest) {
+    struct sim_peer *peer = &ep->av->peers[dest];
+    int port = ep->port_of[dest] - 1;
+    return port < 0 ? NULL : &peer->seg->ports[peer->slot][port];
+}
+
+/* Claim a port in the peer's endpoint: this endpoint is then its only producer. -FI_ENOSPC when the peer's
+ * endpoint already hears SIM_PORTS senders. */
+int sim_claim_port(struct sim_ep *ep, fi_addr_t dest) {
+    struct sim_peer *peer = &ep->av->peers[dest];
+    uint64_t me = port_owner(ep);
     for (int i = 0; i < SIM_PORTS; i++) {
         struct sim_port *port = &peer->seg->ports[peer->slot][i];
         uint64_t owner = atomic_load(&port->owner);
-        if (owner != 0 && !sim_process_gone((int)(owner >> 32))) continue;
+        if (owner != 0 && !sim_process_gone((int)(owner >> 32), -1)) continue;
         /* a port of a killed sender is taken over once its entries are read */
         if (owner != 0 && atomic_load(&port->tail) != atomic_load(&port->head)) continue;
         if (!atomic_compare_exchange_strong(&port->owner, &owner, me)) continue;
         atomic_store(&port->closed, 0);
         port->data_head = atomic_load(&port->data_tail);
-        atomic_store(&port->head, atomic_load(&port->tail));
-        atomic_fetch_or(&peer->seg->ports_used[peer->slot], 1ull << i);
-        return i;
+        port->posted = atomic_load(&port->tail);
+        atomic_store(&port->head, port->posted);
+        atomic_fetch_or(&peer->seg->ports_used[peer->slot][i / 64], 1ull << (i % 64));
+        ep->port_of[dest] = (int16_t)(i + 1);
+        return 0;
     }
-    return -FI_EAGAIN;
+    return -FI_ENOSPC;
 }
 
-void sim_release_port(struct sim_peer *p, int port) {
-    if (p->seg && port >= 0) atomic_store_explicit(&p->seg->ports[p->slot][port].closed, 1, memory_order_release);
+/* This endpoint sends no more to dest: the target frees the port once it has read what is there. */
+void sim_release_port(struct sim_ep *ep, fi_addr_t dest) {
+    struct sim_port *port = ep->av->peers[dest].seg ? sim_port_of(ep, dest) : NULL;
+    if (port) atomic_store_explicit(&port->closed, 1, memory_order_release);
+    ep->port_of[dest] = 0;
 }
 
-/* Reserve len contiguous bytes of the port's data ring (a message never wraps); offset or -1 when full. */
+/* Reserve len contiguous bytes of the port's data ring (a message never wraps): their position in the
+ * port's data stream, or -1 while the ring is full. */
 int64_t sim_reserve_data(struct sim_port *port, size_t len) {
     uint64_t tail = atomic_load_explicit(&port->data_tail, memory_order_acquire);
     uint64_t head = port->data_head;
@@ -166,24 +262,29 @@ int64_t sim_reserve_data(struct sim_port *port, size_t len) {
     if (at + len > SIM_DATA_BYTES) head += SIM_DATA_BYTES - at; /* skip to the start of the ring */
     if (head + len - tail > SIM_DATA_BYTES) return -1;
     port->data_head = head + len;
-    return (int64_t)(head % SIM_DATA_BYTES);
+    return (int64_t)head;
 }
 
 /* ----------------------------------------------------------------------------------------- lines */
 
-/* The wire: the write or message occupies this NIC's transmit line and then the target NIC's receive line
- * (shared by every sender to it). Returns when the last byte lands at the target. */
-uint64_t sim_occupy_lines(struct sim_ep *ep, struct sim_peer *peer, size_t len, uint64_t now) {
-    struct sim_domain *d = ep->domain;
+/* The write or message takes this NIC's transmit line (shared by its endpoints) once it is free: returns
+ * when its first byte leaves. */
+uint64_t sim_occupy_tx(struct sim_domain *d, size_t len, uint64_t now) {
     uint64_t wire = (uint64_t)(len * sim_model.ns_per_byte);
-    /* the domain's endpoints share its transmit line and may post from several threads (FI_THREAD_SAFE) */
-    uint64_t tx_free = atomic_load_explicit(&d->tx_free_ns, memory_order_relaxed), tx_start, tx_end;
+    uint64_t free_ns = atomic_load_explicit(&d->tx_free_ns, memory_order_relaxed), start;
     do {
-        tx_start = tx_free > now ? tx_free : now;
-        tx_end = tx_start + wire;
-    } while (!atomic_compare_exchange_weak_explicit(&d->tx_free_ns, &tx_free, tx_end, memory_order_relaxed,
+        start = free_ns > now ? free_ns : now;
+    } while (!atomic_compare_exchange_weak_explicit(&d->tx_free_ns, &free_ns, start + wire, memory_order_relaxed,
                                                     memory_order_relaxed));
-    uint64_t first_byte = tx_start + sim_model.latency_ns, last_byte = tx_end + sim_model.latency_ns;
+    return start;
+}
+
+/* Once it has started to leave, it takes the target NIC's receive line, shared by every sender to it, in
+ * the order bytes arrive there: after whatever arrived before, never behind what is still queued at
+ * another sender. Returns when its last byte lands. */
+uint64_t sim_occupy_rx(struct sim_peer *peer, size_t len, uint64_t tx_start) {
+    uint64_t wire = (uint64_t)(len * sim_model.ns_per_byte);
+    uint64_t first_byte = tx_start + sim_model.latency_ns, last_byte = first_byte + wire;
     uint64_t rx_free = atomic_load_explicit(&peer->seg->rx_free_ns, memory_order_relaxed), rx_end;
     do {
         uint64_t start = rx_free > first_byte ? rx_free : first_byte;
