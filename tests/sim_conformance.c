@@ -136,6 +136,33 @@ static fi_addr_t insert(struct nic *n, struct node *peer) {
     return a;
 }
 
+/* Two NICs, an endpoint on each with one CQ for both directions, and x knowing y. */
+struct pair {
+    struct nic a, b;
+    struct fid_cq *cqa, *cqb;
+    struct node x, y;
+    fi_addr_t to_y;
+};
+
+static void pair_open(struct pair *p) {
+    nic_open(&p->a, 0);
+    nic_open(&p->b, 1);
+    p->cqa = cq_new(&p->a);
+    p->cqb = cq_new(&p->b);
+    node_open(&p->x, &p->a, p->cqa, p->cqa, 0, 0);
+    node_open(&p->y, &p->b, p->cqb, p->cqb, 0, 0);
+    p->to_y = insert(&p->a, &p->y);
+}
+
+static void pair_close(struct pair *p) {
+    EXPECT(fi_close(&p->x.ep->fid), 0);
+    EXPECT(fi_close(&p->y.ep->fid), 0);
+    EXPECT(fi_close(&p->cqa->fid), 0);
+    EXPECT(fi_close(&p->cqb->fid), 0);
+    nic_close(&p->a);
+    nic_close(&p->b);
+}
+
 /* Reads completions from the given CQs until `want` arrived on `cq` (others are drained into `spill`). */
 static int poll_cq(struct fid_cq *cq, struct fi_cq_data_entry *out, int want, struct fid_cq **others, int nothers,
                    int *spill) {
@@ -295,126 +322,104 @@ static void check_cq_wait(void) {
 /* ------------------------------------------------------ what the model does not offer answers, never crashes */
 
 static void check_unsupported_answer(void) {
-    struct nic a, b;
-    nic_open(&a, 0);
-    nic_open(&b, 1);
-    struct fid_cq *cqa = cq_new(&a), *cqb = cq_new(&b);
-    struct node x, y;
-    node_open(&x, &a, cqa, cqa, 0, 0);
-    node_open(&y, &b, cqb, cqb, 0, 0);
-    fi_addr_t to_y = insert(&a, &y);
+    struct pair p;
+    pair_open(&p);
     char buf[64] = {0};
     struct iovec iov = {buf, 8};
     struct fi_ioc ioc = {buf, 1};
     struct fi_rma_ioc rioc = {0, 1, 0};
-    struct fi_msg_tagged tmsg = {.msg_iov = &iov, .iov_count = 1, .addr = to_y};
-    struct fi_msg_atomic amsg = {.msg_iov = &ioc, .iov_count = 1, .addr = to_y, .rma_iov = &rioc, .rma_iov_count = 1,
+    struct fi_msg_tagged tmsg = {.msg_iov = &iov, .iov_count = 1, .addr = p.to_y};
+    struct fi_msg_atomic amsg = {.msg_iov = &ioc, .iov_count = 1, .addr = p.to_y, .rma_iov = &rioc, .rma_iov_count = 1,
                                  .datatype = FI_UINT64, .op = FI_SUM};
     struct fi_rma_iov riov = {0, 8, 0};
-    struct fi_msg_rma rmsg = {.msg_iov = &iov, .iov_count = 1, .addr = to_y, .rma_iov = &riov, .rma_iov_count = 1};
+    struct fi_msg_rma rmsg = {.msg_iov = &iov, .iov_count = 1, .addr = p.to_y, .rma_iov = &riov, .rma_iov_count = 1};
     size_t count;
     /* tagged messages */
-    EXPECT(fi_tsend(x.ep, buf, 8, NULL, to_y, 1, NULL), -FI_ENOSYS);
-    EXPECT(fi_tsendv(x.ep, &iov, NULL, 1, to_y, 1, NULL), -FI_ENOSYS);
-    EXPECT(fi_tsendmsg(x.ep, &tmsg, 0), -FI_ENOSYS);
-    EXPECT(fi_tinject(x.ep, buf, 8, to_y, 1), -FI_ENOSYS);
-    EXPECT(fi_tsenddata(x.ep, buf, 8, NULL, 1, to_y, 1, NULL), -FI_ENOSYS);
-    EXPECT(fi_tinjectdata(x.ep, buf, 8, 1, to_y, 1), -FI_ENOSYS);
-    EXPECT(fi_trecv(x.ep, buf, 8, NULL, to_y, 1, 0, NULL), -FI_ENOSYS);
-    EXPECT(fi_trecvv(x.ep, &iov, NULL, 1, to_y, 1, 0, NULL), -FI_ENOSYS);
-    EXPECT(fi_trecvmsg(x.ep, &tmsg, 0), -FI_ENOSYS);
+    EXPECT(fi_tsend(p.x.ep, buf, 8, NULL, p.to_y, 1, NULL), -FI_ENOSYS);
+    EXPECT(fi_tsendv(p.x.ep, &iov, NULL, 1, p.to_y, 1, NULL), -FI_ENOSYS);
+    EXPECT(fi_tsendmsg(p.x.ep, &tmsg, 0), -FI_ENOSYS);
+    EXPECT(fi_tinject(p.x.ep, buf, 8, p.to_y, 1), -FI_ENOSYS);
+    EXPECT(fi_tsenddata(p.x.ep, buf, 8, NULL, 1, p.to_y, 1, NULL), -FI_ENOSYS);
+    EXPECT(fi_tinjectdata(p.x.ep, buf, 8, 1, p.to_y, 1), -FI_ENOSYS);
+    EXPECT(fi_trecv(p.x.ep, buf, 8, NULL, p.to_y, 1, 0, NULL), -FI_ENOSYS);
+    EXPECT(fi_trecvv(p.x.ep, &iov, NULL, 1, p.to_y, 1, 0, NULL), -FI_ENOSYS);
+    EXPECT(fi_trecvmsg(p.x.ep, &tmsg, 0), -FI_ENOSYS);
     /* atomics */
-    EXPECT(fi_atomic(x.ep, buf, 1, NULL, to_y, 0, 0, FI_UINT64, FI_SUM, NULL), -FI_ENOSYS);
-    EXPECT(fi_atomicv(x.ep, &ioc, NULL, 1, to_y, 0, 0, FI_UINT64, FI_SUM, NULL), -FI_ENOSYS);
-    EXPECT(fi_atomicmsg(x.ep, &amsg, 0), -FI_ENOSYS);
-    EXPECT(fi_inject_atomic(x.ep, buf, 1, to_y, 0, 0, FI_UINT64, FI_SUM), -FI_ENOSYS);
-    EXPECT(fi_fetch_atomic(x.ep, buf, 1, NULL, buf + 8, NULL, to_y, 0, 0, FI_UINT64, FI_SUM, NULL), -FI_ENOSYS);
-    EXPECT(fi_fetch_atomicv(x.ep, &ioc, NULL, 1, &ioc, NULL, 1, to_y, 0, 0, FI_UINT64, FI_SUM, NULL), -FI_ENOSYS);
-    EXPECT(fi_fetch_atomicmsg(x.ep, &amsg, &ioc, NULL, 1, 0), -FI_ENOSYS);
-    EXPECT(fi_compare_atomic(x.ep, buf, 1, NULL, buf, NULL, buf + 8, NULL, to_y, 0, 0, FI_UINT64, FI_CSWAP, NULL),
+    EXPECT(fi_atomic(p.x.ep, buf, 1, NULL, p.to_y, 0, 0, FI_UINT64, FI_SUM, NULL), -FI_ENOSYS);
+    EXPECT(fi_atomicv(p.x.ep, &ioc, NULL, 1, p.to_y, 0, 0, FI_UINT64, FI_SUM, NULL), -FI_ENOSYS);
+    EXPECT(fi_atomicmsg(p.x.ep, &amsg, 0), -FI_ENOSYS);
+    EXPECT(fi_inject_atomic(p.x.ep, buf, 1, p.to_y, 0, 0, FI_UINT64, FI_SUM), -FI_ENOSYS);
+    EXPECT(fi_fetch_atomic(p.x.ep, buf, 1, NULL, buf + 8, NULL, p.to_y, 0, 0, FI_UINT64, FI_SUM, NULL), -FI_ENOSYS);
+    EXPECT(fi_fetch_atomicv(p.x.ep, &ioc, NULL, 1, &ioc, NULL, 1, p.to_y, 0, 0, FI_UINT64, FI_SUM, NULL), -FI_ENOSYS);
+    EXPECT(fi_fetch_atomicmsg(p.x.ep, &amsg, &ioc, NULL, 1, 0), -FI_ENOSYS);
+    EXPECT(fi_compare_atomic(p.x.ep, buf, 1, NULL, buf, NULL, buf + 8, NULL, p.to_y, 0, 0, FI_UINT64, FI_CSWAP, NULL),
            -FI_ENOSYS);
-    EXPECT(fi_compare_atomicv(x.ep, &ioc, NULL, 1, &ioc, NULL, 1, &ioc, NULL, 1, to_y, 0, 0, FI_UINT64, FI_CSWAP,
+    EXPECT(fi_compare_atomicv(p.x.ep, &ioc, NULL, 1, &ioc, NULL, 1, &ioc, NULL, 1, p.to_y, 0, 0, FI_UINT64, FI_CSWAP,
                               NULL), -FI_ENOSYS);
-    EXPECT(fi_compare_atomicmsg(x.ep, &amsg, &ioc, NULL, 1, &ioc, NULL, 1, 0), -FI_ENOSYS);
-    EXPECT(fi_atomicvalid(x.ep, FI_UINT64, FI_SUM, &count), -FI_ENOSYS);
-    EXPECT(fi_fetch_atomicvalid(x.ep, FI_UINT64, FI_SUM, &count), -FI_ENOSYS);
-    EXPECT(fi_compare_atomicvalid(x.ep, FI_UINT64, FI_CSWAP, &count), -FI_ENOSYS);
+    EXPECT(fi_compare_atomicmsg(p.x.ep, &amsg, &ioc, NULL, 1, &ioc, NULL, 1, 0), -FI_ENOSYS);
+    EXPECT(fi_atomicvalid(p.x.ep, FI_UINT64, FI_SUM, &count), -FI_ENOSYS);
+    EXPECT(fi_fetch_atomicvalid(p.x.ep, FI_UINT64, FI_SUM, &count), -FI_ENOSYS);
+    EXPECT(fi_compare_atomicvalid(p.x.ep, FI_UINT64, FI_CSWAP, &count), -FI_ENOSYS);
     struct fi_atomic_attr aattr;
-    EXPECT(fi_query_atomic(a.domain, FI_UINT64, FI_SUM, &aattr, 0), -FI_ENOSYS);
+    EXPECT(fi_query_atomic(p.a.domain, FI_UINT64, FI_SUM, &aattr, 0), -FI_ENOSYS);
     /* reads */
-    EXPECT(fi_read(x.ep, buf, 8, NULL, to_y, 0, 0, NULL), -FI_ENOSYS);
-    EXPECT(fi_readv(x.ep, &iov, NULL, 1, to_y, 0, 0, NULL), -FI_ENOSYS);
-    EXPECT(fi_readmsg(x.ep, &rmsg, 0), -FI_ENOSYS);
+    EXPECT(fi_read(p.x.ep, buf, 8, NULL, p.to_y, 0, 0, NULL), -FI_ENOSYS);
+    EXPECT(fi_readv(p.x.ep, &iov, NULL, 1, p.to_y, 0, 0, NULL), -FI_ENOSYS);
+    EXPECT(fi_readmsg(p.x.ep, &rmsg, 0), -FI_ENOSYS);
     /* connection management on a connectionless endpoint, scalable and shared contexts */
     size_t len = sizeof buf;
-    EXPECT(fi_getpeer(x.ep, buf, &len), -FI_ENOSYS);
-    EXPECT(fi_setname(&x.ep->fid, buf, 8), -FI_ENOSYS);
-    EXPECT(fi_connect(x.ep, buf, NULL, 0), -FI_ENOSYS);
-    EXPECT(fi_accept(x.ep, NULL, 0), -FI_ENOSYS);
-    EXPECT(fi_shutdown(x.ep, 0), -FI_ENOSYS);
+    EXPECT(fi_getpeer(p.x.ep, buf, &len), -FI_ENOSYS);
+    EXPECT(fi_setname(&p.x.ep->fid, buf, 8), -FI_ENOSYS);
+    EXPECT(fi_connect(p.x.ep, buf, NULL, 0), -FI_ENOSYS);
+    EXPECT(fi_accept(p.x.ep, NULL, 0), -FI_ENOSYS);
+    EXPECT(fi_shutdown(p.x.ep, 0), -FI_ENOSYS);
     struct fid_ep *ctx;
-    EXPECT(fi_tx_context(x.ep, 0, NULL, &ctx, NULL), -FI_ENOSYS);
-    EXPECT(fi_rx_context(x.ep, 0, NULL, &ctx, NULL), -FI_ENOSYS);
-    EXPECT(fi_scalable_ep(a.domain, a.info, &ctx, NULL), -FI_ENOSYS);
+    EXPECT(fi_tx_context(p.x.ep, 0, NULL, &ctx, NULL), -FI_ENOSYS);
+    EXPECT(fi_rx_context(p.x.ep, 0, NULL, &ctx, NULL), -FI_ENOSYS);
+    EXPECT(fi_scalable_ep(p.a.domain, p.a.info, &ctx, NULL), -FI_ENOSYS);
     struct fid_stx *stx;
-    EXPECT(fi_stx_context(a.domain, NULL, &stx, NULL), -FI_ENOSYS);
-    EXPECT(fi_srx_context(a.domain, NULL, &ctx, NULL), -FI_ENOSYS);
+    EXPECT(fi_stx_context(p.a.domain, NULL, &stx, NULL), -FI_ENOSYS);
+    EXPECT(fi_srx_context(p.a.domain, NULL, &ctx, NULL), -FI_ENOSYS);
     struct fi_poll_attr pattr = {0};
     struct fid_poll *pollset;
-    EXPECT(fi_poll_open(a.domain, &pattr, &pollset), -FI_ENOSYS);
+    EXPECT(fi_poll_open(p.a.domain, &pattr, &pollset), -FI_ENOSYS);
     struct fi_wait_attr wattr = {.wait_obj = FI_WAIT_UNSPEC};
     struct fid_wait *waitset;
-    EXPECT(fi_wait_open(a.fabric, &wattr, &waitset), -FI_ENOSYS);
+    EXPECT(fi_wait_open(p.a.fabric, &wattr, &waitset), -FI_ENOSYS);
     struct fid_pep *pep;
-    EXPECT(fi_passive_ep(a.fabric, a.info, &pep, NULL), -FI_ENOSYS);
-    EXPECT(fi_barrier(x.ep, 0, NULL), -FI_ENOSYS);
+    EXPECT(fi_passive_ep(p.a.fabric, p.a.info, &pep, NULL), -FI_ENOSYS);
+    EXPECT(fi_barrier(p.x.ep, 0, NULL), -FI_ENOSYS);
     struct fi_av_set_attr sattr = {0};
     struct fid_av_set *set;
-    EXPECT(fi_av_set(a.av, &sattr, &set, NULL), -FI_ENOSYS);
-    EXPECT(fi_av_insertsvc(a.av, "localhost", "1", NULL, 0, NULL), -FI_ENOSYS);
-    EXPECT(fi_av_insertsym(a.av, "localhost", 1, "1", 1, NULL, 0, NULL), -FI_ENOSYS);
+    EXPECT(fi_av_set(p.a.av, &sattr, &set, NULL), -FI_ENOSYS);
+    EXPECT(fi_av_insertsvc(p.a.av, "localhost", "1", NULL, 0, NULL), -FI_ENOSYS);
+    EXPECT(fi_av_insertsym(p.a.av, "localhost", 1, "1", 1, NULL, 0, NULL), -FI_ENOSYS);
     void *ops;
-    EXPECT(fi_open_ops(&x.ep->fid, "none", 0, &ops, NULL), -FI_ENOSYS);
-    EXPECT(fi_cancel(&x.ep->fid, NULL), -FI_ENOENT);
+    EXPECT(fi_open_ops(&p.x.ep->fid, "none", 0, &ops, NULL), -FI_ENOSYS);
+    EXPECT(fi_cancel(&p.x.ep->fid, NULL), -FI_ENOENT);
     /* a NULL address to insert is a bad argument, not a crash */
     fi_addr_t out;
-    EXPECT(fi_av_insert(a.av, NULL, 1, &out, 0, NULL), -FI_EINVAL);
-    EXPECT(fi_close(&x.ep->fid), 0);
-    EXPECT(fi_close(&y.ep->fid), 0);
-    EXPECT(fi_close(&cqa->fid), 0);
-    EXPECT(fi_close(&cqb->fid), 0);
-    nic_close(&a);
-    nic_close(&b);
+    EXPECT(fi_av_insert(p.a.av, NULL, 1, &out, 0, NULL), -FI_EINVAL);
+    pair_close(&p);
 }
 
 /* ---------------------------------------------------------------- the AV outlives its endpoints */
 
 static void check_av_close_while_bound(void) {
-    struct nic a, b;
-    nic_open(&a, 0);
-    nic_open(&b, 1);
-    struct fid_cq *cqa = cq_new(&a), *cqb = cq_new(&b);
-    struct node x, y;
-    node_open(&x, &a, cqa, cqa, 0, 0);
-    node_open(&y, &b, cqb, cqb, 0, 0);
-    fi_addr_t to_y = insert(&a, &y);
-    EXPECT(fi_close(&a.av->fid), -FI_EBUSY);
+    struct pair p;
+    pair_open(&p);
+    EXPECT(fi_close(&p.a.av->fid), -FI_EBUSY);
     char msg[16] = "still here";
     char got[16] = {0};
-    EXPECT(fi_recv(y.ep, got, sizeof got, NULL, FI_ADDR_UNSPEC, NULL), 0);
-    EXPECT(fi_send(x.ep, msg, sizeof msg, NULL, to_y, NULL), 0);
+    EXPECT(fi_recv(p.y.ep, got, sizeof got, NULL, FI_ADDR_UNSPEC, NULL), 0);
+    EXPECT(fi_send(p.x.ep, msg, sizeof msg, NULL, p.to_y, NULL), 0);
     struct fi_cq_data_entry e[2];
-    struct fid_cq *others[] = {cqa};
-    EXPECT(poll_cq(cqb, e, 1, others, 1, NULL), 1);
+    struct fid_cq *others[] = {p.cqa};
+    EXPECT(poll_cq(p.cqb, e, 1, others, 1, NULL), 1);
     CHECK(strcmp(got, msg) == 0, "received %s", got);
-    EXPECT(fi_close(&a.domain->fid), -FI_EBUSY);
-    EXPECT(fi_close(&cqa->fid), -FI_EBUSY); /* bound to x */
-    EXPECT(fi_close(&x.ep->fid), 0);
-    EXPECT(fi_close(&y.ep->fid), 0);
-    EXPECT(fi_close(&cqa->fid), 0);
-    EXPECT(fi_close(&cqb->fid), 0);
-    nic_close(&a);
-    nic_close(&b);
+    EXPECT(fi_close(&p.a.domain->fid), -FI_EBUSY);
+    EXPECT(fi_close(&p.cqa->fid), -FI_EBUSY); /* bound to x */
+    pair_close(&p);
 }
 
 /* ------------------------------------------------------------------ separate and shared CQs */
@@ -561,42 +566,31 @@ static void check_selective_completion(void) {
 
 static void check_write_verified(void) {
     setenv("FABRICLAB_SIM_PAYLOAD", "1", 1); /* the model moves bytes only in payload mode */
-    struct nic a, b;
-    nic_open(&a, 0);
-    nic_open(&b, 1);
-    struct fid_cq *cqa = cq_new(&a), *cqb = cq_new(&b);
-    struct node x, y;
-    node_open(&x, &a, cqa, cqa, 0, 0);
-    node_open(&y, &b, cqb, cqb, 0, 0);
-    fi_addr_t to_y = insert(&a, &y);
+    struct pair p;
+    pair_open(&p);
     enum { SIZE = 1 << 20 };
     unsigned char *src = malloc(SIZE), *dst = calloc(1, SIZE);
     for (int i = 0; i < SIZE; i++) src[i] = (unsigned char)(i * 7 + 3);
     struct fid_mr *ms, *md;
-    MUST(fi_mr_reg(a.domain, src, SIZE, FI_WRITE, 0, 0, 0, &ms, NULL));
-    MUST(fi_mr_reg(b.domain, dst, SIZE, FI_REMOTE_WRITE, 0, 0, 0, &md, NULL));
+    MUST(fi_mr_reg(p.a.domain, src, SIZE, FI_WRITE, 0, 0, 0, &ms, NULL));
+    MUST(fi_mr_reg(p.b.domain, dst, SIZE, FI_REMOTE_WRITE, 0, 0, 0, &md, NULL));
     uint64_t base = (uint64_t)(uintptr_t)dst, key = fi_mr_key(md);
-    EXPECT(fi_write(x.ep, src, SIZE / 2, fi_mr_desc(ms), to_y, base, key, (void *)1), 0);
-    EXPECT(fi_writedata(x.ep, src + SIZE / 2, SIZE / 2, fi_mr_desc(ms), 0xabcd, to_y, base + SIZE / 2, key,
+    EXPECT(fi_write(p.x.ep, src, SIZE / 2, fi_mr_desc(ms), p.to_y, base, key, (void *)1), 0);
+    EXPECT(fi_writedata(p.x.ep, src + SIZE / 2, SIZE / 2, fi_mr_desc(ms), 0xabcd, p.to_y, base + SIZE / 2, key,
                         (void *)2), 0);
     struct fi_cq_data_entry e[2];
-    struct fid_cq *others[] = {cqb};
+    struct fid_cq *others[] = {p.cqb};
     int spill = 0;
-    EXPECT(poll_cq(cqa, e, 2, NULL, 0, NULL), 2);
-    EXPECT(poll_cq(cqb, e, 1, NULL, 0, &spill), 1);
+    EXPECT(poll_cq(p.cqa, e, 2, NULL, 0, NULL), 2);
+    EXPECT(poll_cq(p.cqb, e, 1, NULL, 0, &spill), 1);
     CHECK((e[0].flags & FI_REMOTE_CQ_DATA) && e[0].data == 0xabcd && e[0].len == SIZE / 2,
           "target completion flags %llx data %llx len %zu", (unsigned long long)e[0].flags,
           (unsigned long long)e[0].data, e[0].len);
     CHECK(memcmp(src, dst, SIZE) == 0, "the written bytes differ from the source");
-    EXPECT(quiet(cqb, others, 0, 10), 0); /* a write without data leaves nothing at the target */
+    EXPECT(quiet(p.cqb, others, 0, 10), 0); /* a write without data leaves nothing at the target */
     EXPECT(fi_close(&ms->fid), 0);
     EXPECT(fi_close(&md->fid), 0);
-    EXPECT(fi_close(&x.ep->fid), 0);
-    EXPECT(fi_close(&y.ep->fid), 0);
-    EXPECT(fi_close(&cqa->fid), 0);
-    EXPECT(fi_close(&cqb->fid), 0);
-    nic_close(&a);
-    nic_close(&b);
+    pair_close(&p);
     free(src);
     free(dst);
 }
@@ -659,11 +653,15 @@ static struct fi_info *getinfo_with(uint64_t flags, const char *node, void (*edi
     return info;
 }
 
-static void hint_manual(struct fi_info *h) { h->domain_attr->data_progress = h->domain_attr->control_progress = FI_PROGRESS_MANUAL; }
+static void hint_manual(struct fi_info *h) {
+    h->domain_attr->data_progress = h->domain_attr->control_progress = FI_PROGRESS_MANUAL;
+}
 static void hint_waw(struct fi_info *h) { h->tx_attr->msg_order = FI_ORDER_WAW; }
 static void hint_sas(struct fi_info *h) { h->tx_attr->msg_order = h->rx_attr->msg_order = FI_ORDER_SAS; }
 static void hint_basic(struct fi_info *h) { h->domain_attr->mr_mode = FI_MR_BASIC; }
-static void hint_no_prov_key(struct fi_info *h) { h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED; }
+static void hint_no_prov_key(struct fi_info *h) {
+    h->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED;
+}
 static void hint_no_prov_key_any_caps(struct fi_info *h) {
     hint_no_prov_key(h);
     h->caps = 0;
