@@ -48,7 +48,8 @@ def test_reports_a_p5_shaped_host():
     info = infos[0]
     assert (info.provider, info.domain, info.fabric) == ("sim", NIC_A, "modeled-p5")
     assert info.caps & fi.lib.FI_MSG and info.caps & fi.lib.FI_RMA
-    assert set(info.mr_mode_names) == {"FI_MR_LOCAL", "FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_PROV_KEY"}
+    # as the p5's efa reports it (../shared/reference/figures.md): no FI_MR_LOCAL
+    assert set(info.mr_mode_names) == {"FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_PROV_KEY", "FI_MR_HMEM"}
     assert (info.tx_size, info.rx_size, info.inject_size, info.cq_data_size) == (4096, 8192, 4096, 4)
     assert info.nic.link_speed_bps == 100_000_000_000
     assert info.modeled and not info.moves_payload

@@ -25,18 +25,23 @@
 #define FABRICLAB_SIM_H
 
 #define _GNU_SOURCE
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include <rdma/fabric.h>
+#include <rdma/fi_atomic.h>
 #include <rdma/fi_cm.h>
+#include <rdma/fi_collective.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
+#include <rdma/fi_tagged.h>
 
 #define SIM_NAME "sim"
 #define SIM_FABRIC "modeled-p5"
@@ -46,25 +51,30 @@
 #define SIM_PORTS 256                    /* sending endpoints one endpoint can hear at once */
 #define SIM_PORT_WORDS (SIM_PORTS / 64)
 #define SIM_RING 8192                    /* entries per port: the receive queue depth (rx 8192) */
-#define SIM_MRS 4096                     /* registrations per domain */
+#define SIM_MRS 262144                   /* registrations per domain, as EFA reports (mr_cnt) */
+#define SIM_MR_SLOT_BITS 18              /* a 4-byte key (EFA's mr_key_size): slot, then generation */
+#define SIM_MR_CLAIMED UINT32_MAX        /* a slot being filled (no key has every generation bit set) */
 #define SIM_DATA_BYTES (8u << 20)        /* per port: the bytes of messages in flight; the largest message */
 #define SIM_TX 4096                      /* tx queue depth, as EFA reports */
 #define SIM_RX 8192
 #define SIM_INJECT 4096
+#define SIM_IOV 4                        /* iov_limit, as EFA reports (rma_iov_limit 1) */
 #define SIM_CQ_DATA 4
+#define SIM_CQS 512                      /* CQs per domain, as EFA reports (cq_cnt) */
 #define SIM_MAX_AV 4096
-#define SIM_ADDR_LEN 48
+#define SIM_ADDR_LEN 32                  /* as EFA's addresses: "sim:<nic>/<pid>/<fd>/<serial>/<slot>" in hex */
+#define SIM_SERIAL_MASK 0xffffffu        /* a domain's serial, as it fits its address */
 #define SIM_CAPS (FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | FI_LOCAL_COMM | FI_REMOTE_COMM)
-#define SIM_MR_MODE (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY)
 #define SIM_CACHELINE 64
 #define SIM_ERRS 256
-#define SIM_VOUCH_NS 1000000ull /* a look that finds a peer's process alive vouches for it this long (1 ms) */
+#define SIM_VOUCH_NS 1000000ull         /* a look that finds a peer's process alive vouches for it this long (1 ms) */
+#define SIM_ERR_TEXT 256                 /* an error completion's text (max_err_data) */
 #define SIM_XSTR(x) #x
 #define SIM_STR(x) SIM_XSTR(x)
 
 /* What a ring entry announces; SIM_KIND_TAKEN once the target has read it (it may read past a message that
  * waits for a receive, so entries are taken out of order and the ring's tail follows the taken ones). */
-enum sim_kind { SIM_KIND_WRITE_DATA = 1, SIM_KIND_SEND = 2, SIM_KIND_TAKEN = 3 };
+enum sim_kind { SIM_KIND_WRITE_DATA = 1, SIM_KIND_SEND = 2, SIM_KIND_TAKEN = 3, SIM_KIND_SEND_DATA = 4 };
 
 /* ------------------------------------------------------------------------------------- the model */
 
@@ -103,7 +113,8 @@ struct sim_port {
 };
 
 struct sim_mr_slot {
-    _Atomic uint64_t key; /* 0: free */
+    _Atomic uint32_t key; /* 0: free; SIM_MR_CLAIMED: being filled; else generation << SIM_MR_SLOT_BITS | slot */
+    uint32_t generation;  /* of the last key the slot had: a stale key never matches its next registration */
     uint64_t addr, len, access;
 };
 
@@ -125,15 +136,25 @@ struct sim_segment {
 
 /* ------------------------------------------------------------------------------------------ objects */
 
+struct sim_fabric {
+    struct fid_fabric fid;
+    _Atomic int refs; /* domains and event queues opened on it */
+};
+
 struct sim_domain {
     struct fid_domain fid;
+    struct sim_fabric *fabric;
     int index;
     int memfd;
     uint32_t serial;
     struct sim_segment *seg;
-    _Atomic uint64_t tx_free_ns; /* when this NIC's transmit line is next free (its endpoints share it) */
-    unsigned slots_used; /* bit i: an endpoint of this domain has slot i */
+    _Atomic uint64_t tx_free_ns; /* when this NIC's transmit line is next free (its endpoints post from any thread) */
+    pthread_mutex_t lock;        /* endpoint slots and CQ count */
+    unsigned slots_used;         /* bit i: an endpoint of this domain has slot i */
+    int cqs;
+    _Atomic int refs;            /* AVs, CQs and counters opened on it */
     _Atomic int registrations;
+    _Atomic uint32_t mr_hint;    /* where the next registration starts looking for a free slot */
 };
 
 struct sim_mr {
@@ -149,16 +170,19 @@ struct sim_peer {
     int pid;
     struct sim_watch *watch; /* its process, looked at by every AV entry that names it */
     uint32_t serial;
-    int slot;                      /* its endpoint's slot in the segment */
+    int slot;                       /* its endpoint's slot in the segment */
     _Atomic uint64_t dead_after_ns; /* 0 while alive; once found gone (or its domain closed), its last sign of life */
+    char addr[SIM_ADDR_LEN];        /* as inserted, for fi_av_lookup */
 };
 
 struct sim_av {
     struct fid_av fid;
     struct sim_domain *domain;
+    pthread_mutex_t lock;         /* inserts, removes and the bound endpoints */
+    struct sim_ep *eps[SIM_EPS];  /* bound endpoints: fi_close(av) is -FI_EBUSY while there are any */
+    int neps;
+    _Atomic int count;            /* peers[0, count) are filled */
     struct sim_peer peers[SIM_MAX_AV];
-    int count;
-    struct sim_ep *eps[SIM_EPS]; /* the endpoints bound to it: a removed peer's ports are theirs to give back */
 };
 
 struct sim_pending { /* a posted operation whose local completion is not due yet */
@@ -182,18 +206,26 @@ struct sim_rx_port { /* the target's own view of one of its ports */
 };
 
 struct sim_recv {
-    void *buf;
+    struct iovec iov[SIM_IOV];
+    size_t count;
     size_t len;
     void *context;
+    uint64_t flags; /* FI_COMPLETION: it completes into the receive CQ */
 };
 
 struct sim_cq;
 
+struct sim_eq;
+
 struct sim_ep {
     struct fid_ep fid;
     struct sim_domain *domain;
-    struct sim_cq *cq;
+    struct sim_cq *tx_cq, *rx_cq;
     struct sim_av *av;
+    struct sim_eq *eq;
+    uint64_t tx_op_flags, rx_op_flags; /* defaults of the calls without flags (fi_endpoint's info) */
+    int tx_selective, rx_selective;    /* bound with FI_SELECTIVE_COMPLETION */
+    int nic;
     int slot;
     int enabled;
     atomic_flag lock; /* posting and progress of one endpoint from several threads (FI_THREAD_SAFE) */
@@ -209,10 +241,15 @@ struct sim_ep {
 struct sim_cq {
     struct fid_cq fid;
     struct sim_domain *domain;
-    struct sim_ep *ep;
+    pthread_mutex_t lock;        /* readers, and the endpoints binding and leaving */
+    struct sim_ep *eps[SIM_EPS]; /* bound endpoints (transmit, receive or both), progressed when it is read */
+    int neps;
+    unsigned next;               /* the endpoint the next read starts with, for fairness */
     int format;
+    int wait_obj;
+    _Atomic int signaled;        /* fi_cq_signal: a waiting fi_cq_sread returns */
     struct fi_cq_err_entry errs[SIM_ERRS];
-    char err_text[SIM_ERRS][256];
+    char err_text[SIM_ERRS][SIM_ERR_TEXT];
     uint64_t err_head, err_tail;
 };
 
@@ -223,8 +260,10 @@ uint64_t sim_now_ns(void);
 uint32_t sim_next_serial(void);
 size_t sim_segment_size(void);
 char *sim_port_data(struct sim_segment *s, int slot, int port);
-void sim_format_addr(char *out, int pid, int fd, uint32_t serial, int slot);
-int sim_parse_addr(const void *addr, int *pid, int *fd, uint32_t *serial, int *slot);
+int sim_format_addr(char *out, int nic, int pid, int fd, uint32_t serial, int slot);
+int sim_parse_addr(const void *addr, int *nic, int *pid, int *fd, uint32_t *serial, int *slot);
+void sim_format_nic_addr(char *out, int nic);
+int sim_parse_nic(const void *addr, size_t len);
 int sim_process_gone(int pid, int pidfd);
 struct sim_segment *sim_map_peer(int pid, int fd, uint32_t serial);
 struct sim_watch *sim_watch_open(int pid);
@@ -249,12 +288,31 @@ static inline struct sim_port *sim_port_of(struct sim_ep *ep, fi_addr_t dest) {
     return port < 0 ? NULL : &peer->seg->ports[peer->slot][port];
 }
 
+/* ------------------------------------------------------------------- sim_getinfo.c: fi_getinfo */
+
+int sim_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+                const struct fi_info *hints, struct fi_info **out);
+const char *sim_fabric_name(void);
+int sim_domain_index(const char *name);
+
 /* -------------------------------------------------------------------- the objects' constructors */
 
+int sim_eq_open(struct fid_fabric *fabric, struct fi_eq_attr *attr, struct fid_eq **out, void *context);
 int sim_av_open(struct fid_domain *dfid, struct fi_av_attr *attr, struct fid_av **out, void *context);
 int sim_cq_open(struct fid_domain *dfid, struct fi_cq_attr *attr, struct fid_cq **out, void *context);
+int sim_cntr_open(struct fid_domain *dfid, struct fi_cntr_attr *attr, struct fid_cntr **out, void *context);
 int sim_ep_open(struct fid_domain *dfid, struct fi_info *info, struct fid_ep **out, void *context);
 extern struct fi_ops_mr sim_mr_ops;
+
+/* ------------------------------------------------------------------- what objects lend each other */
+
+int sim_eq_bind(struct sim_eq *eq, int delta); /* an endpoint binds (+1) or leaves (-1) */
+int sim_eq_trywait(struct fid *fid);
+int sim_av_bind(struct sim_av *av, struct sim_ep *ep);
+void sim_av_unbind(struct sim_av *av, struct sim_ep *ep);
+int sim_cq_bind(struct sim_cq *cq, struct sim_ep *ep);
+void sim_cq_unbind(struct sim_cq *cq, struct sim_ep *ep);
+struct sim_mr_slot *sim_mr_find(struct sim_segment *seg, uint64_t key);
 
 /* ------------------------------------------------------------ sim_ep.c, sim_post.c, sim_progress.c */
 
@@ -263,7 +321,7 @@ void sim_ep_unlock(struct sim_ep *ep);
 extern struct fi_ops_msg sim_msg_ops;
 extern struct fi_ops_rma sim_rma_ops;
 void sim_send_due(struct sim_ep *ep, uint64_t now);
-size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, uint64_t now);
+size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now);
 size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now);
 
 /* ------------------------------------------------------------------------------------ sim_cq.c */
@@ -274,10 +332,41 @@ int sim_cq_push_error(struct sim_cq *cq, void *context, uint64_t flags, size_t l
 void sim_cq_fill(struct sim_cq *cq, void *buf, size_t i, void *context, uint64_t flags, size_t len, void *data_buf,
                  uint64_t data);
 
-/* ---------------------------------------------------------- sim_fabric.c: what unset operations answer */
+/* ---------------------------------------------------- sim_unsupported.c: what the model does not offer */
 
 int sim_no_bind(struct fid *fid, struct fid *bfid, uint64_t flags);
 int sim_no_control(struct fid *fid, int command, void *arg);
 int sim_no_ops_open(struct fid *fid, const char *name, uint64_t flags, void **ops, void *context);
+int sim_no_ops_set(struct fid *fid, const char *name, uint64_t flags, void *ops, void *context);
+int sim_no_passive_ep(struct fid_fabric *fabric, struct fi_info *info, struct fid_pep **pep, void *context);
+int sim_no_wait_open(struct fid_fabric *fabric, struct fi_wait_attr *attr, struct fid_wait **waitset);
+int sim_no_scalable_ep(struct fid_domain *domain, struct fi_info *info, struct fid_ep **sep, void *context);
+int sim_no_poll_open(struct fid_domain *domain, struct fi_poll_attr *attr, struct fid_poll **pollset);
+int sim_no_stx_ctx(struct fid_domain *domain, struct fi_tx_attr *attr, struct fid_stx **stx, void *context);
+int sim_no_srx_ctx(struct fid_domain *domain, struct fi_rx_attr *attr, struct fid_ep **rx_ep, void *context);
+int sim_no_query_atomic(struct fid_domain *domain, enum fi_datatype datatype, enum fi_op op,
+                        struct fi_atomic_attr *attr, uint64_t flags);
+int sim_no_query_collective(struct fid_domain *domain, enum fi_collective_op coll, struct fi_collective_attr *attr,
+                            uint64_t flags);
+int sim_no_av_set(struct fid_av *av, struct fi_av_set_attr *attr, struct fid_av_set **set, void *context);
+extern struct fi_ops_tagged sim_no_tagged_ops;
+extern struct fi_ops_atomic sim_no_atomic_ops;
+extern struct fi_ops_collective sim_no_collective_ops;
+ssize_t sim_no_read(struct fid_ep *ep, void *buf, size_t len, void *desc, fi_addr_t src, uint64_t addr, uint64_t key,
+                    void *context);
+ssize_t sim_no_readv(struct fid_ep *ep, const struct iovec *iov, void **desc, size_t count, fi_addr_t src,
+                     uint64_t addr, uint64_t key, void *context);
+ssize_t sim_no_readmsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64_t flags);
+/* connection management on a connectionless endpoint; scalable endpoints' contexts */
+int sim_no_setname(fid_t fid, void *addr, size_t addrlen);
+int sim_no_getpeer(struct fid_ep *ep, void *addr, size_t *addrlen);
+int sim_no_connect(struct fid_ep *ep, const void *addr, const void *param, size_t paramlen);
+int sim_no_listen(struct fid_pep *pep);
+int sim_no_accept(struct fid_ep *ep, const void *param, size_t paramlen);
+int sim_no_reject(struct fid_pep *pep, fid_t handle, const void *param, size_t paramlen);
+int sim_no_shutdown(struct fid_ep *ep, uint64_t flags);
+int sim_no_join(struct fid_ep *ep, const void *addr, uint64_t flags, struct fid_mc **mc, void *context);
+int sim_no_tx_ctx(struct fid_ep *sep, int index, struct fi_tx_attr *attr, struct fid_ep **tx_ep, void *context);
+int sim_no_rx_ctx(struct fid_ep *sep, int index, struct fi_rx_attr *attr, struct fid_ep **rx_ep, void *context);
 
 #endif

@@ -7,6 +7,17 @@
 #include <inttypes.h>
 #include <string.h>
 
+static int is_message(uint32_t kind) { return kind == SIM_KIND_SEND || kind == SIM_KIND_SEND_DATA; }
+
+static void scatter(const struct sim_recv *r, const char *src, size_t len) {
+    for (size_t i = 0; i < r->count && len; i++) {
+        size_t piece = r->iov[i].iov_len < len ? r->iov[i].iov_len : len;
+        memcpy(r->iov[i].iov_base, src, piece);
+        src += piece;
+        len -= piece;
+    }
+}
+
 /* A message meets the oldest posted receive: copied into it, or an error if it does not fit. 0 when done
  * (the entry is taken), -1 when the error queue is full (tried again at a later poll). */
 static int deliver(struct sim_ep *ep, struct sim_port *port, int p, struct sim_entry *e, void *buf, size_t *n) {
@@ -18,12 +29,14 @@ static int deliver(struct sim_ep *ep, struct sim_port *port, int p, struct sim_e
         return 0;
     }
     if (e->len > r->len) {
-        if (sim_cq_push_error(ep->cq, r->context, FI_RECV | FI_MSG, r->len, FI_ETRUNC,
+        if (sim_cq_push_error(ep->rx_cq, r->context, FI_RECV | FI_MSG, r->len, FI_ETRUNC,
                               "message of %" PRIu64 " bytes into a %zu-byte receive", e->len, r->len) < 0)
             return -1;
     } else {
-        memcpy(r->buf, sim_port_data(seg, ep->slot, p) + at, e->len);
-        sim_cq_fill(ep->cq, buf, (*n)++, r->context, FI_RECV | FI_MSG, e->len, NULL, 0);
+        uint64_t data = e->kind == SIM_KIND_SEND_DATA ? FI_REMOTE_CQ_DATA : 0;
+        scatter(r, sim_port_data(seg, ep->slot, p) + at, e->len);
+        if (r->flags & FI_COMPLETION) /* a receive posted without it, on a selective endpoint, completes silently */
+            sim_cq_fill(ep->rx_cq, buf, (*n)++, r->context, FI_RECV | FI_MSG | data, e->len, NULL, data ? e->imm : 0);
     }
     ep->rx_head++;
     atomic_store_explicit(&port->data_tail, e->data_at + e->len, memory_order_release);
@@ -37,7 +50,7 @@ static void deliver_waiting(struct sim_ep *ep, struct sim_port *port, int p, voi
     uint64_t tail = atomic_load_explicit(&port->tail, memory_order_relaxed);
     for (uint64_t i = tail; i != rp->scan && rp->waiting && ep->rx_head != ep->rx_tail && *n < count; i++) {
         struct sim_entry *e = &port->ring[i % SIM_RING];
-        if (e->kind != SIM_KIND_SEND) continue;
+        if (!is_message(e->kind)) continue;
         if (deliver(ep, port, p, e, buf, n) < 0) return;
         rp->waiting--;
     }
@@ -56,7 +69,7 @@ static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t 
     for (; rp->scan != head && *n < count; rp->scan++) {
         struct sim_entry *e = &port->ring[rp->scan % SIM_RING];
         if (e->due_ns > now) break;
-        if (e->kind == SIM_KIND_SEND) {
+        if (is_message(e->kind)) {
             if (rp->waiting || ep->rx_head == ep->rx_tail) {
                 rp->waiting++;
                 continue;
@@ -64,8 +77,8 @@ static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t 
             if (deliver(ep, port, p, e, buf, n) < 0) break;
         } else {
             if (e->kind == SIM_KIND_WRITE_DATA)
-                sim_cq_fill(ep->cq, buf, (*n)++, NULL, FI_REMOTE_WRITE | FI_RMA | FI_REMOTE_CQ_DATA, e->len, NULL,
-                            e->imm);
+                sim_cq_fill(ep->rx_cq, buf, (*n)++, NULL, FI_REMOTE_WRITE | FI_RMA | FI_REMOTE_CQ_DATA, e->len,
+                            NULL, e->imm);
             if (rp->waiting) e->kind = SIM_KIND_TAKEN; /* else the tail passes it right below */
         }
     }
@@ -79,11 +92,11 @@ static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t 
     }
 }
 
-/* The target side. Polling is also this process's sign of life to its peers' writers (sim_peer_alive_at). */
-size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, uint64_t now) {
+/* The target side, filling buf from n on. Polling is also this process's sign of life to its peers' writers
+ * (sim_peer_alive_at). */
+size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
     struct sim_segment *seg = ep->domain->seg;
     atomic_store_explicit(&seg->polled_ns, now, memory_order_relaxed);
-    size_t n = 0;
     for (int w = 0; w < SIM_PORT_WORDS && n < count; w++) {
         uint64_t used = atomic_load_explicit(&seg->ports_used[ep->slot][w], memory_order_acquire);
         for (; used && n < count; used &= used - 1) read_port(ep, w * 64 + __builtin_ctzll(used), buf, count, &n, now);
@@ -94,7 +107,7 @@ size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, uint64_t now)
 /* One pending operation, once it is due or its peer is known gone: 1 when it completed (with success or
  * an error), 0 when it must wait (not due, or the error queue is full). */
 static int complete(struct sim_ep *ep, struct sim_pending *t, void *buf, size_t *n, uint64_t now) {
-    struct sim_cq *cq = ep->cq;
+    struct sim_cq *cq = ep->tx_cq;
     if (t->err)
         return sim_cq_push_error(cq, t->context, t->flags, t->len, t->err, "%s", sim_error_text(t->err)) == 0;
     struct sim_peer *peer = &ep->av->peers[t->dest];

@@ -45,7 +45,10 @@ void sim_model_read(void) {
 
 uint32_t sim_next_serial(void) {
     static _Atomic uint32_t serial;
-    return atomic_fetch_add(&serial, 1) + 1;
+    uint32_t next;
+    do next = (atomic_fetch_add(&serial, 1) + 1) & SIM_SERIAL_MASK; /* never 0 */
+    while (!next);
+    return next;
 }
 
 /* -------------------------------------------------------------------------------- shared segment */
@@ -58,18 +61,49 @@ char *sim_port_data(struct sim_segment *s, int slot, int port) {
     return (char *)s + sizeof(struct sim_segment) + ((size_t)slot * SIM_PORTS + port) * SIM_DATA_BYTES;
 }
 
-/* The address a peer inserts: text, so that fi_av_straddr and fabriclab's describe() can print it. */
-void sim_format_addr(char *out, int pid, int fd, uint32_t serial, int slot) {
+/* The address a peer inserts: text, so that fi_av_straddr and fabriclab's describe() can print it, in the
+ * 32 bytes of EFA's: the NIC, then the process, its segment's descriptor and serial, and the endpoint's slot. */
+int sim_format_addr(char *out, int nic, int pid, int fd, uint32_t serial, int slot) {
     memset(out, 0, SIM_ADDR_LEN);
-    snprintf(out, SIM_ADDR_LEN, "sim://%d/%d/%u/%d", pid, fd, serial, slot);
+    int n = snprintf(out, SIM_ADDR_LEN, "sim:%x/%x/%x/%x/%x", (unsigned)nic, (unsigned)pid, (unsigned)fd, serial,
+                     (unsigned)slot);
+    return n > 0 && n < SIM_ADDR_LEN ? 0 : -FI_ENOSPC;
 }
 
-int sim_parse_addr(const void *addr, int *pid, int *fd, uint32_t *serial, int *slot) {
+int sim_parse_addr(const void *addr, int *nic, int *pid, int *fd, uint32_t *serial, int *slot) {
     char text[SIM_ADDR_LEN + 1];
+    unsigned v[5];
+    int end = -1;
     memcpy(text, addr, SIM_ADDR_LEN);
     text[SIM_ADDR_LEN] = 0;
-    return sscanf(text, "sim://%d/%d/%u/%d", pid, fd, serial, slot) == 4 && *slot >= 0 && *slot < SIM_EPS
-               ? 0 : -FI_EINVAL;
+    if (sscanf(text, "sim:%x/%x/%x/%x/%x%n", &v[0], &v[1], &v[2], &v[3], &v[4], &end) != 5 || text[end] ||
+        v[1] > INT32_MAX || v[2] > INT32_MAX || v[4] >= SIM_EPS)
+        return -FI_EINVAL;
+    *nic = (int)v[0], *pid = (int)v[1], *fd = (int)v[2], *serial = v[3], *slot = (int)v[4];
+    return 0;
+}
+
+/* A NIC's own address (fi_getinfo's source address, as EFA's names its device before any endpoint exists). */
+void sim_format_nic_addr(char *out, int nic) {
+    memset(out, 0, SIM_ADDR_LEN);
+    snprintf(out, SIM_ADDR_LEN, "sim:%x", (unsigned)nic);
+}
+
+/* The NIC an address (a NIC's or an endpoint's) names, or -1. */
+int sim_parse_nic(const void *addr, size_t len) {
+    char text[SIM_ADDR_LEN + 1];
+    unsigned nic;
+    int end = -1;
+    if (!addr || len > SIM_ADDR_LEN) return -1;
+    memcpy(text, addr, len);
+    text[len] = 0;
+    if (sscanf(text, "sim:%x%n", &nic, &end) != 1 || (text[end] && text[end] != '/')) return -1;
+    if (text[end] == '/') {
+        int n, pid, fd, slot;
+        uint32_t serial;
+        if (len != SIM_ADDR_LEN || sim_parse_addr(addr, &n, &pid, &fd, &serial, &slot)) return -1;
+    }
+    return nic < 1024 ? (int)nic : -1;
 }
 
 /* Is the process gone: exited, killed, or a zombie its parent has not reaped (its NIC takes nothing more)?
@@ -149,6 +183,10 @@ void sim_watch_close(struct sim_watch *w) {
             if (watches[i] == w) watches[i] = watches[--watch_count];
         if (w->pidfd >= 0) close(w->pidfd);
         free(w);
+    }
+    if (!watch_count) { /* nothing left for the library to hold when libfabric unloads it */
+        free(watches);
+        watches = NULL;
     }
     pthread_mutex_unlock(&watch_lock);
 }
