@@ -460,6 +460,19 @@ static void check_separate_cqs(void) {
     CHECK(e[0].op_context == &back && back == 7, "the reply's completion %p", e[0].op_context);
     struct fid_cq *none[] = {rxb, txb};
     EXPECT(quiet(txa, none, 2, 20), 0); /* nothing on the wrong queue */
+    /* a writer that reads only its receive CQ still gets its queued writes out: 8 MiB wait for the line */
+    enum { MIB = 1 << 20, WRITES = 8 };
+    char *region = calloc(1, MIB);
+    struct fid_mr *mr;
+    MUST(fi_mr_reg(b.domain, region, MIB, FI_REMOTE_WRITE, 0, 0, 0, &mr, NULL));
+    for (int i = 0; i < WRITES; i++)
+        EXPECT(fi_writedata(x.ep, region, MIB, NULL, i, to_y, (uint64_t)(uintptr_t)region, fi_mr_key(mr), NULL), 0);
+    struct fi_cq_data_entry data[WRITES];
+    struct fid_cq *writer_rx[] = {rxa};
+    EXPECT(poll_cq(rxb, data, WRITES, writer_rx, 1, NULL), WRITES);
+    EXPECT(poll_cq(txa, data, WRITES, NULL, 0, NULL), WRITES);
+    EXPECT(fi_close(&mr->fid), 0);
+    free(region);
     EXPECT(fi_close(&x.ep->fid), 0);
     EXPECT(fi_close(&y.ep->fid), 0);
     struct fid_cq *cqs[] = {txa, rxa, txb, rxb};
