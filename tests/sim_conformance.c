@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -420,6 +421,50 @@ static void check_av_close_while_bound(void) {
     EXPECT(fi_close(&p.a.domain->fid), -FI_EBUSY);
     EXPECT(fi_close(&p.cqa->fid), -FI_EBUSY); /* bound to x */
     pair_close(&p);
+}
+
+/* An address is inserted without asking its process (as EFA's address handles are made locally): a peer that
+ * has already exited is in the AV, and what is sent to it completes with FI_EHOSTUNREACH. */
+static void check_av_insert_gone_peer(void) {
+    int fds[2];
+    MUST(pipe(fds));
+    pid_t child = fork();
+    if (child == 0) { /* a peer that says its address and exits */
+        struct nic n;
+        nic_open(&n, 1);
+        struct fid_cq *cq = cq_new(&n);
+        struct node y;
+        node_open(&y, &n, cq, cq, 0, 0);
+        _exit(write(fds[1], y.addr, y.addrlen) == (ssize_t)y.addrlen ? 0 : 1);
+    }
+    char addr[64] = {0};
+    CHECK(read(fds[0], addr, sizeof addr) == 32, "the peer's address");
+    int status;
+    waitpid(child, &status, 0);
+    close(fds[0]);
+    close(fds[1]);
+    struct nic a;
+    nic_open(&a, 0);
+    struct fid_cq *cq = cq_new(&a);
+    struct node x;
+    node_open(&x, &a, cq, cq, 0, 0);
+    fi_addr_t gone = FI_ADDR_NOTAVAIL;
+    EXPECT(fi_av_insert(a.av, addr, 1, &gone, 0, NULL), 1);
+    CHECK(gone != FI_ADDR_NOTAVAIL, "no fi_addr for a well-formed address");
+    char text[64];
+    size_t len = sizeof text;
+    EXPECT(fi_av_lookup(a.av, gone, text, &len), 0);
+    CHECK(len == 32 && !memcmp(text, addr, 32), "looked up %s", text);
+    EXPECT(fi_send(x.ep, "bye", 4, NULL, gone, (void *)1), 0);
+    struct fi_cq_data_entry e;
+    EXPECT(fi_cq_read(cq, &e, 1), -FI_EAVAIL);
+    struct fi_cq_err_entry err = {0};
+    EXPECT(fi_cq_readerr(cq, &err, 0), 1);
+    CHECK(err.err == FI_EHOSTUNREACH && err.op_context == (void *)1, "error %d context %p", err.err, err.op_context);
+    EXPECT(fi_av_remove(a.av, &gone, 1, 0), 0);
+    EXPECT(fi_close(&x.ep->fid), 0);
+    EXPECT(fi_close(&cq->fid), 0);
+    nic_close(&a);
 }
 
 /* ------------------------------------------------------------------ separate and shared CQs */
@@ -866,6 +911,7 @@ static const struct { const char *name; void (*run)(void); } checks[] = {
     {"cq_wait", check_cq_wait},
     {"unsupported_answer", check_unsupported_answer},
     {"av_close_while_bound", check_av_close_while_bound},
+    {"av_insert_gone_peer", check_av_insert_gone_peer},
     {"separate_cqs", check_separate_cqs},
     {"shared_cq", check_shared_cq},
     {"selective_completion", check_selective_completion},

@@ -171,6 +171,7 @@ struct sim_peer {
     _Atomic uint64_t alive_ns;      /* when a look last found its process alive */
     _Atomic uint64_t dead_after_ns; /* 0 while alive; once found gone, its last sign of life */
     char addr[SIM_ADDR_LEN];        /* as inserted, for fi_av_lookup */
+    int gone;                       /* its endpoint was gone when inserted (seg is NULL): sends to it fail */
 };
 
 struct sim_av {
