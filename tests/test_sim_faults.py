@@ -295,3 +295,30 @@ def test_engine_names_the_sender_limit_of_the_peers_endpoint(monkeypatch):
         for domain, *_ in senders:
             domain.parent.close()
         target.close()
+
+
+def _pidfds() -> int:
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed by now
+            pass
+    return links.count("anon_inode:[pidfd]")
+
+
+def test_one_pidfd_per_peer_process_given_back_with_the_last_entry():
+    """A peer process is looked at through one pidfd, however many AV entries (an engine: one per NIC) name
+    it, and the descriptor goes with the last of them: nothing left open after the stacks close."""
+    target, address, _ = start_target(1)
+    before = _pidfds()
+    stacks = [fi.EndpointStack(info) for info in fi.domains("sim")[:3]]
+    try:
+        for stack in stacks:
+            stack.av.insert(fi.Address.parse(address))
+        assert _pidfds() == before + 1
+    finally:
+        for stack in stacks:
+            stack.close()
+        stop(target)
+    assert _pidfds() == before

@@ -67,6 +67,7 @@
 #define SIM_CAPS (FI_MSG | FI_RMA | FI_SEND | FI_RECV | FI_WRITE | FI_REMOTE_WRITE | FI_LOCAL_COMM | FI_REMOTE_COMM)
 #define SIM_CACHELINE 64
 #define SIM_ERRS 256
+#define SIM_VOUCH_NS 1000000ull         /* a look that finds a peer's process alive vouches for it this long (1 ms) */
 #define SIM_ERR_TEXT 256                 /* an error completion's text (max_err_data) */
 #define SIM_XSTR(x) #x
 #define SIM_STR(x) SIM_XSTR(x)
@@ -162,14 +163,15 @@ struct sim_mr {
     int slot;
 };
 
+struct sim_watch;
+
 struct sim_peer {
     struct sim_segment *seg;
     int pid;
-    int pidfd; /* readable once the process has ended (a zombie too); -1 where pidfd_open is not offered */
+    struct sim_watch *watch; /* its process, looked at by every AV entry that names it */
     uint32_t serial;
     int slot;                       /* its endpoint's slot in the segment */
-    _Atomic uint64_t alive_ns;      /* when a look last found its process alive */
-    _Atomic uint64_t dead_after_ns; /* 0 while alive; once found gone, its last sign of life */
+    _Atomic uint64_t dead_after_ns; /* 0 while alive; once found gone (or its domain closed), its last sign of life */
     char addr[SIM_ADDR_LEN];        /* as inserted, for fi_av_lookup */
     int gone;                       /* its endpoint was gone when inserted (seg is NULL): sends to it fail */
 };
@@ -265,16 +267,27 @@ void sim_format_nic_addr(char *out, int nic);
 int sim_parse_nic(const void *addr, size_t len);
 int sim_process_gone(int pid, int pidfd);
 struct sim_segment *sim_map_peer(int pid, int fd, uint32_t serial);
-int sim_watch_open(int pid);
-void sim_watch_close(int pidfd);
-int sim_peer_known_dead(struct sim_peer *p, uint64_t when);
+struct sim_watch *sim_watch_open(int pid);
+void sim_watch_close(struct sim_watch *w);
 int sim_peer_alive_at(struct sim_peer *p, uint64_t when, uint64_t now);
-struct sim_port *sim_port_of(struct sim_ep *ep, fi_addr_t dest);
 int sim_claim_port(struct sim_ep *ep, fi_addr_t dest);
 void sim_release_port(struct sim_ep *ep, fi_addr_t dest);
 int64_t sim_reserve_data(struct sim_port *port, size_t len);
 uint64_t sim_occupy_tx(struct sim_domain *d, size_t len, uint64_t now);
 uint64_t sim_occupy_rx(struct sim_peer *peer, size_t len, uint64_t tx_start);
+
+/* The peer was found gone and its last sign of life came before `when`: nothing of ours lands there after. */
+static inline int sim_peer_known_dead(struct sim_peer *p, uint64_t when) {
+    uint64_t dead_after = atomic_load_explicit(&p->dead_after_ns, memory_order_relaxed);
+    return dead_after && when > dead_after;
+}
+
+/* Our port into the endpoint an AV entry names; NULL until the first message or immediate datum to it. */
+static inline struct sim_port *sim_port_of(struct sim_ep *ep, fi_addr_t dest) {
+    struct sim_peer *peer = &ep->av->peers[dest];
+    int port = ep->port_of[dest] - 1;
+    return port < 0 ? NULL : &peer->seg->ports[peer->slot][port];
+}
 
 /* ------------------------------------------------------------------- sim_getinfo.c: fi_getinfo */
 

@@ -25,10 +25,14 @@ static int av_insert(struct fid_av *fid, const void *addr, size_t count, fi_addr
         /* inserting asks nothing of the peer (EFA makes its address handles locally): an endpoint already
          * gone is inserted too, and what is sent to it fails with FI_EHOSTUNREACH */
         struct sim_segment *seg = sim_map_peer(pid, fd, serial);
+        struct sim_watch *watch = seg ? sim_watch_open(pid) : NULL;
+        if (seg && !watch) { /* no memory to watch its process */
+            munmap(seg, sim_segment_size());
+            if (fi_addr) fi_addr[i] = FI_ADDR_NOTAVAIL;
+            continue;
+        }
         struct sim_peer *p = &av->peers[at];
-        *p = (struct sim_peer){.seg = seg, .pid = pid, .pidfd = seg ? sim_watch_open(pid) : -1, .serial = serial,
-                               .slot = slot, .gone = !seg};
-        if (seg) atomic_store(&p->alive_ns, sim_now_ns()); /* its segment was there: alive, at the latest, now */
+        *p = (struct sim_peer){.seg = seg, .pid = pid, .watch = watch, .serial = serial, .slot = slot, .gone = !seg};
         memcpy(p->addr, a, SIM_ADDR_LEN);
         atomic_store_explicit(&av->count, at + 1, memory_order_release); /* posts from other threads see it filled */
         if (fi_addr) fi_addr[i] = (fi_addr_t)at;
@@ -46,9 +50,10 @@ static void forget(struct sim_av *av, fi_addr_t at) {
         sim_release_port(av->eps[e], at);
         sim_ep_unlock(av->eps[e]);
     }
-    sim_watch_close(p->pidfd);
+    if (p->watch) sim_watch_close(p->watch);
     if (p->seg) munmap(p->seg, sim_segment_size());
     p->seg = NULL;
+    p->watch = NULL;
     p->gone = 0;
 }
 

@@ -67,7 +67,7 @@ static void leave(struct sim_ep *ep, struct sim_pending *t) {
     }
     t->landed_ns = sim_occupy_rx(peer, t->len, t->tx_start_ns);
     if (t->announce) {
-        struct sim_port *port = sim_port_of(ep, t->dest);
+        struct sim_port *port = &peer->seg->ports[peer->slot][ep->port_of[t->dest] - 1]; /* claimed at post */
         uint64_t head = atomic_load_explicit(&port->head, memory_order_relaxed);
         uint32_t kind = t->kind == SIM_KIND_SEND && (t->flags & FI_REMOTE_CQ_DATA) ? SIM_KIND_SEND_DATA
                                                                                    : (uint32_t)t->kind;

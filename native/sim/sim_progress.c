@@ -79,9 +79,10 @@ static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t 
             if (e->kind == SIM_KIND_WRITE_DATA)
                 sim_cq_fill(ep->rx_cq, buf, (*n)++, NULL, FI_REMOTE_WRITE | FI_RMA | FI_REMOTE_CQ_DATA, e->len,
                             NULL, e->imm);
-            e->kind = SIM_KIND_TAKEN;
+            if (rp->waiting) e->kind = SIM_KIND_TAKEN; /* else the tail passes it right below */
         }
     }
+    if (!rp->waiting) tail = rp->scan;
     while (tail != rp->scan && port->ring[tail % SIM_RING].kind == SIM_KIND_TAKEN) tail++;
     atomic_store_explicit(&port->tail, tail, memory_order_release);
     if (tail == head && atomic_load_explicit(&port->closed, memory_order_acquire)) {

@@ -143,41 +143,47 @@ struct sim_segment *sim_map_peer(int pid, int fd, uint32_t serial) {
 
 /* ------------------------------------------------------------------------------------- liveness */
 
-/* One pidfd per peer process, shared by every AV entry that names it (an engine inserts each peer once per
- * NIC): a process with many peers holds one descriptor for each, not one per NIC. */
-static struct sim_watch {
-    int pid, pidfd, refs;
-} *watches;
+/* A peer process, looked at through one pidfd however many AV entries name it (an engine inserts each
+ * peer once per NIC), and the time until which a look vouches for it. */
+struct sim_watch {
+    int pid, pidfd, refs; /* pidfd: -1 where pidfd_open is not offered */
+    _Atomic uint64_t alive_until_ns;
+};
+static struct sim_watch this_process = {.pidfd = -1}; /* alive while we ask */
+static struct sim_watch **watches;
 static int watch_count;
 static pthread_mutex_t watch_lock = PTHREAD_MUTEX_INITIALIZER;
 
-int sim_watch_open(int pid) {
+struct sim_watch *sim_watch_open(int pid) {
+    if (pid == getpid()) return &this_process;
     pthread_mutex_lock(&watch_lock);
-    int pidfd = -1;
-    for (int i = 0; i < watch_count && pidfd < 0; i++)
-        if (watches[i].pid == pid && !sim_process_gone(pid, watches[i].pidfd)) { /* not an earlier holder of pid */
-            watches[i].refs++;
-            pidfd = watches[i].pidfd;
-        }
-    struct sim_watch *grown = pidfd < 0 ? realloc(watches, (watch_count + 1) * sizeof *watches) : NULL;
+    struct sim_watch *w = NULL;
+    for (int i = 0; i < watch_count && !w; i++) /* the same process, not an earlier holder of its pid */
+        if (watches[i]->pid == pid && !sim_process_gone(pid, watches[i]->pidfd)) w = watches[i];
+    struct sim_watch **grown = w ? NULL : realloc(watches, (watch_count + 1) * sizeof *watches);
     if (grown) {
         watches = grown;
-        pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-        if (pidfd >= 0) watches[watch_count++] = (struct sim_watch){pid, pidfd, 1};
+        if ((w = calloc(1, sizeof *w))) {
+            /* its segment was just mapped: alive then */
+            *w = (struct sim_watch){.pid = pid, .pidfd = (int)syscall(SYS_pidfd_open, pid, 0),
+                                    .alive_until_ns = sim_now_ns()};
+            watches[watch_count++] = w;
+        }
     }
+    if (w) w->refs++;
     pthread_mutex_unlock(&watch_lock);
-    return pidfd;
+    return w;
 }
 
-void sim_watch_close(int pidfd) {
-    if (pidfd < 0) return;
+void sim_watch_close(struct sim_watch *w) {
+    if (w == &this_process) return;
     pthread_mutex_lock(&watch_lock);
-    for (int i = 0; i < watch_count; i++)
-        if (watches[i].pidfd == pidfd && --watches[i].refs == 0) {
-            close(pidfd);
-            watches[i] = watches[--watch_count];
-            break;
-        }
+    if (--w->refs == 0) {
+        for (int i = 0; i < watch_count; i++)
+            if (watches[i] == w) watches[i] = watches[--watch_count];
+        if (w->pidfd >= 0) close(w->pidfd);
+        free(w);
+    }
     if (!watch_count) { /* nothing left for the library to hold when libfabric unloads it */
         free(watches);
         watches = NULL;
@@ -185,43 +191,34 @@ void sim_watch_close(int pidfd) {
     pthread_mutex_unlock(&watch_lock);
 }
 
-/* The peer was found gone and its last sign of life came before `when`: nothing of ours lands there after. */
-int sim_peer_known_dead(struct sim_peer *p, uint64_t when) {
-    uint64_t dead_after = atomic_load_explicit(&p->dead_after_ns, memory_order_relaxed);
-    return dead_after && when > dead_after;
-}
-
-/* Was the peer's process alive at `when` (a time already past)? Signs of life: its own last poll of a CQ
- * of that NIC, and our last look at the process. Only when neither is that recent do we look again: then
- * a process found gone is judged at its last sign of life, so a write that landed before it died still
- * succeeds, however late its writer asks. */
+/* Was the peer alive at `when` (a time already past)? Signs of life: its own last poll of a CQ on that NIC,
+ * and our last look at its process, which vouches for it SIM_VOUCH_NS on (the model learns of a death
+ * within 1 ms; looking at every poll would cost a system call each). Only when neither covers `when` do we
+ * look again: a peer found gone is judged at its last sign of life, so a write that landed before it died
+ * still succeeds, however late its writer asks, and one that landed after fails. */
 int sim_peer_alive_at(struct sim_peer *p, uint64_t when, uint64_t now) {
     uint64_t dead_after = atomic_load_explicit(&p->dead_after_ns, memory_order_relaxed);
     if (dead_after) return when <= dead_after;
-    uint64_t seen = atomic_load_explicit(&p->alive_ns, memory_order_relaxed);
+    struct sim_watch *w = p->watch;
+    uint64_t seen = atomic_load_explicit(&w->alive_until_ns, memory_order_relaxed);
+    if (when <= seen) return 1;
     uint64_t polled = atomic_load_explicit(&p->seg->polled_ns, memory_order_relaxed);
     if (polled > seen) seen = polled;
     if (when <= seen) return 1;
     int open = atomic_load_explicit(&p->seg->alive, memory_order_acquire); /* its domain is not closed */
-    if (open && (p->pid == getpid() || !sim_process_gone(p->pid, p->pidfd))) {
-        atomic_store_explicit(&p->alive_ns, now, memory_order_relaxed);
+    if (open && (w == &this_process || !sim_process_gone(w->pid, w->pidfd))) {
+        if (w != &this_process) atomic_store_explicit(&w->alive_until_ns, now + SIM_VOUCH_NS, memory_order_relaxed);
         return 1;
     }
     uint64_t expected = 0;
-    atomic_compare_exchange_strong(&p->dead_after_ns, &expected, seen); /* seen: at least the insert */
+    if (seen > now) seen = now; /* vouched for beyond what has passed: gone by now */
+    atomic_compare_exchange_strong(&p->dead_after_ns, &expected, seen ? seen : 1);
     return when <= atomic_load(&p->dead_after_ns);
 }
 
 /* ----------------------------------------------------------------------------------------- ports */
 
 static uint64_t port_owner(const struct sim_ep *ep) { return ((uint64_t)getpid() << 32) | ep->domain->serial; }
-
-/* Our port into the endpoint an AV entry names; NULL until the first message or immediate datum to it. */
-struct sim_port *sim_port_of(struct sim_ep *ep, fi_addr_t dest) {
-    struct sim_peer *peer = &ep->av->peers[dest];
-    int port = ep->port_of[dest] - 1;
-    return port < 0 ? NULL : &peer->seg->ports[peer->slot][port];
-}
 
 /* Claim a port in the peer's endpoint: this endpoint is then its only producer. -FI_ENOSPC when the peer's
  * endpoint already hears SIM_PORTS senders. */
