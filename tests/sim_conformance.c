@@ -728,8 +728,7 @@ static void hint_iov(struct fi_info *h) { h->tx_attr->iov_limit = 5; }
 static void hint_tagged(struct fi_info *h) { h->caps |= FI_TAGGED; }
 static void hint_msg_size(struct fi_info *h) { h->ep_attr->max_msg_size = (size_t)1 << 40; }
 
-static void check_getinfo(void) {
-    int rc;
+static void getinfo_fields(void) {
     /* the p5's fi_info -p efa, field by field (../shared/reference/figures.md), where the model offers it;
      * asked as fi_info asks: any mode, any registration mode */
     struct fi_info *hints = fi_allocinfo(), *info = NULL;
@@ -759,6 +758,11 @@ static void check_getinfo(void) {
           info->src_addrlen);
     CHECK(info->mode == 0 && info->ep_attr->type == FI_EP_RDM, "mode %llx", (unsigned long long)info->mode);
     fi_freeinfo(info);
+}
+
+static void getinfo_hints(void) {
+    int rc;
+    struct fi_info *info;
     /* hints are honoured, and what cannot be had is no data (fi_getinfo(3)) */
     info = getinfo_with(0, NULL, hint_manual, &rc);
     CHECK(rc == 0 && info->domain_attr->data_progress == FI_PROGRESS_MANUAL &&
@@ -792,6 +796,11 @@ static void check_getinfo(void) {
     CHECK(rc == 0 && !(info->caps & FI_REMOTE_WRITE) && !(info->domain_attr->mr_mode & FI_MR_PROV_KEY),
           "mr_mode without FI_MR_PROV_KEY: %d caps %llx", rc, info ? (unsigned long long)info->caps : 0ull);
     fi_freeinfo(info);
+}
+
+static void getinfo_addresses(void) {
+    int rc;
+    struct fi_info *info;
     /* addresses: a source address always; a node is the peer's address (FI_SOURCE: our own NIC's) */
     info = getinfo_with(0, NULL, NULL, &rc);
     char nic_addr[64];
@@ -816,6 +825,12 @@ static void check_getinfo(void) {
     EXPECT(fi_close(&x.ep->fid), 0);
     EXPECT(fi_close(&cq->fid), 0);
     nic_close(&a);
+}
+
+static void check_getinfo(void) {
+    getinfo_fields();
+    getinfo_hints();
+    getinfo_addresses();
 }
 
 /* -------------------------------------------------------------- FI_THREAD_SAFE across a domain */
