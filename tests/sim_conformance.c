@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -422,6 +423,50 @@ static void check_av_close_while_bound(void) {
     pair_close(&p);
 }
 
+/* An address is inserted without asking its process (as EFA's address handles are made locally): a peer that
+ * has already exited is in the AV, and what is sent to it completes with FI_EHOSTUNREACH. */
+static void check_av_insert_gone_peer(void) {
+    int fds[2];
+    MUST(pipe(fds));
+    pid_t child = fork();
+    if (child == 0) { /* a peer that says its address and exits */
+        struct nic n;
+        nic_open(&n, 1);
+        struct fid_cq *cq = cq_new(&n);
+        struct node y;
+        node_open(&y, &n, cq, cq, 0, 0);
+        _exit(write(fds[1], y.addr, y.addrlen) == (ssize_t)y.addrlen ? 0 : 1);
+    }
+    char addr[64] = {0};
+    CHECK(read(fds[0], addr, sizeof addr) == 32, "the peer's address");
+    int status;
+    waitpid(child, &status, 0);
+    close(fds[0]);
+    close(fds[1]);
+    struct nic a;
+    nic_open(&a, 0);
+    struct fid_cq *cq = cq_new(&a);
+    struct node x;
+    node_open(&x, &a, cq, cq, 0, 0);
+    fi_addr_t gone = FI_ADDR_NOTAVAIL;
+    EXPECT(fi_av_insert(a.av, addr, 1, &gone, 0, NULL), 1);
+    CHECK(gone != FI_ADDR_NOTAVAIL, "no fi_addr for a well-formed address");
+    char text[64];
+    size_t len = sizeof text;
+    EXPECT(fi_av_lookup(a.av, gone, text, &len), 0);
+    CHECK(len == 32 && !memcmp(text, addr, 32), "looked up %s", text);
+    EXPECT(fi_send(x.ep, "bye", 4, NULL, gone, (void *)1), 0);
+    struct fi_cq_data_entry e;
+    EXPECT(fi_cq_read(cq, &e, 1), -FI_EAVAIL);
+    struct fi_cq_err_entry err = {0};
+    EXPECT(fi_cq_readerr(cq, &err, 0), 1);
+    CHECK(err.err == FI_EHOSTUNREACH && err.op_context == (void *)1, "error %d context %p", err.err, err.op_context);
+    EXPECT(fi_av_remove(a.av, &gone, 1, 0), 0);
+    EXPECT(fi_close(&x.ep->fid), 0);
+    EXPECT(fi_close(&cq->fid), 0);
+    nic_close(&a);
+}
+
 /* ------------------------------------------------------------------ separate and shared CQs */
 
 static void check_separate_cqs(void) {
@@ -460,6 +505,19 @@ static void check_separate_cqs(void) {
     CHECK(e[0].op_context == &back && back == 7, "the reply's completion %p", e[0].op_context);
     struct fid_cq *none[] = {rxb, txb};
     EXPECT(quiet(txa, none, 2, 20), 0); /* nothing on the wrong queue */
+    /* a writer that reads only its receive CQ still gets its queued writes out: 8 MiB wait for the line */
+    enum { MIB = 1 << 20, WRITES = 8 };
+    char *region = calloc(1, MIB);
+    struct fid_mr *mr;
+    MUST(fi_mr_reg(b.domain, region, MIB, FI_REMOTE_WRITE, 0, 0, 0, &mr, NULL));
+    for (int i = 0; i < WRITES; i++)
+        EXPECT(fi_writedata(x.ep, region, MIB, NULL, i, to_y, (uint64_t)(uintptr_t)region, fi_mr_key(mr), NULL), 0);
+    struct fi_cq_data_entry data[WRITES];
+    struct fid_cq *writer_rx[] = {rxa};
+    EXPECT(poll_cq(rxb, data, WRITES, writer_rx, 1, NULL), WRITES);
+    EXPECT(poll_cq(txa, data, WRITES, NULL, 0, NULL), WRITES);
+    EXPECT(fi_close(&mr->fid), 0);
+    free(region);
     EXPECT(fi_close(&x.ep->fid), 0);
     EXPECT(fi_close(&y.ep->fid), 0);
     struct fid_cq *cqs[] = {txa, rxa, txb, rxb};
@@ -670,8 +728,7 @@ static void hint_iov(struct fi_info *h) { h->tx_attr->iov_limit = 5; }
 static void hint_tagged(struct fi_info *h) { h->caps |= FI_TAGGED; }
 static void hint_msg_size(struct fi_info *h) { h->ep_attr->max_msg_size = (size_t)1 << 40; }
 
-static void check_getinfo(void) {
-    int rc;
+static void getinfo_fields(void) {
     /* the p5's fi_info -p efa, field by field (../shared/reference/figures.md), where the model offers it;
      * asked as fi_info asks: any mode, any registration mode */
     struct fi_info *hints = fi_allocinfo(), *info = NULL;
@@ -701,6 +758,11 @@ static void check_getinfo(void) {
           info->src_addrlen);
     CHECK(info->mode == 0 && info->ep_attr->type == FI_EP_RDM, "mode %llx", (unsigned long long)info->mode);
     fi_freeinfo(info);
+}
+
+static void getinfo_hints(void) {
+    int rc;
+    struct fi_info *info;
     /* hints are honoured, and what cannot be had is no data (fi_getinfo(3)) */
     info = getinfo_with(0, NULL, hint_manual, &rc);
     CHECK(rc == 0 && info->domain_attr->data_progress == FI_PROGRESS_MANUAL &&
@@ -734,6 +796,11 @@ static void check_getinfo(void) {
     CHECK(rc == 0 && !(info->caps & FI_REMOTE_WRITE) && !(info->domain_attr->mr_mode & FI_MR_PROV_KEY),
           "mr_mode without FI_MR_PROV_KEY: %d caps %llx", rc, info ? (unsigned long long)info->caps : 0ull);
     fi_freeinfo(info);
+}
+
+static void getinfo_addresses(void) {
+    int rc;
+    struct fi_info *info;
     /* addresses: a source address always; a node is the peer's address (FI_SOURCE: our own NIC's) */
     info = getinfo_with(0, NULL, NULL, &rc);
     char nic_addr[64];
@@ -758,6 +825,12 @@ static void check_getinfo(void) {
     EXPECT(fi_close(&x.ep->fid), 0);
     EXPECT(fi_close(&cq->fid), 0);
     nic_close(&a);
+}
+
+static void check_getinfo(void) {
+    getinfo_fields();
+    getinfo_hints();
+    getinfo_addresses();
 }
 
 /* -------------------------------------------------------------- FI_THREAD_SAFE across a domain */
@@ -853,6 +926,7 @@ static const struct { const char *name; void (*run)(void); } checks[] = {
     {"cq_wait", check_cq_wait},
     {"unsupported_answer", check_unsupported_answer},
     {"av_close_while_bound", check_av_close_while_bound},
+    {"av_insert_gone_peer", check_av_insert_gone_peer},
     {"separate_cqs", check_separate_cqs},
     {"shared_cq", check_shared_cq},
     {"selective_completion", check_selective_completion},

@@ -106,6 +106,25 @@ def test_bad_key_range_and_address_are_error_completions(pair):
         a.ep.post_write(ms, 0, 64, 99, good, 0, "no such peer")
 
 
+def test_a_fresh_endpoint_on_the_same_cq_and_av_as_the_engine_renews_one(pair):
+    """The Engine's endpoint renewal: a second endpoint bound to a stack's CQ and AV, both writing, both
+    completing on that CQ; the old one closes while the fresh one keeps working (issue 22 finding 8)."""
+    a, b, to_b, _ = pair
+    fresh = fi.Endpoint(a.domain, a.cq, a.av)
+    try:
+        src, dst = a.register(np.ones(4096, dtype=np.uint8)), b.register(np.zeros(4096, dtype=np.uint8))
+        a.ep.post_write(src, 0, 64, to_b, dst.remote(), 0, "old", data=1)
+        fresh.post_write(src, 0, 64, to_b, dst.remote(), 64, "fresh", data=2)
+        got = pump([a, b], 4)
+        assert sorted(str(c.token) for c in got) == ["None", "None", "fresh", "old"]
+        assert sorted(c.data for c in got if c.has_data) == [1, 2]
+        a.ep.close()
+        fresh.post_write(src, 0, 64, to_b, dst.remote(), 128, "after", data=3)
+        assert sorted(str(c.token) for c in pump([a, b], 2)) == ["None", "after"]
+    finally:
+        fresh.close()
+
+
 def test_binding_tree_closes_cleanly_and_twice(pair):
     a, *_ = pair
     a.register(np.zeros(64, dtype=np.uint8))

@@ -1,7 +1,8 @@
 """The modeled-NIC provider (sim) as libfabric's own tools and man pages see it: fi_pingpong through the
 package's provider path, and the project's conformance checks (tests/sim_conformance.c, one process per
 check: EQ/CQ/counter open and close, separate and shared CQs, selective completion, write and writedata
-verified, gather/scatter, fi_getinfo's rules, AV close while bound, several threads on one domain), also
+verified, gather/scatter, fi_getinfo's rules, AV close while bound, inserting the address of a peer already
+gone, several threads on one domain), also
 with the provider and the checks built under AddressSanitizer, and the threaded check under ThreadSanitizer."""
 import os
 import shutil
@@ -18,8 +19,8 @@ from native_build import (ROOT, SANITIZER_ENV, compiler_with, libfabric_flags, s
 
 HERE = Path(__file__).resolve().parent
 PACKAGE_DIR = Path(fi.MODELED_PROVIDER_LIBRARY).parent
-CHECKS = ["eq", "cntr", "cq_wait", "unsupported_answer", "av_close_while_bound", "separate_cqs", "shared_cq",
-          "selective_completion", "write_verified", "iov_limits", "getinfo", "threads"]
+CHECKS = ["eq", "cntr", "cq_wait", "unsupported_answer", "av_close_while_bound", "av_insert_gone_peer", "separate_cqs",
+          "shared_cq", "selective_completion", "write_verified", "iov_limits", "getinfo", "threads"]
 
 
 def provider_env(provider_dir: Path, **extra) -> dict:

@@ -173,6 +173,7 @@ struct sim_peer {
     int slot;                       /* its endpoint's slot in the segment */
     _Atomic uint64_t dead_after_ns; /* 0 while alive; once found gone (or its domain closed), its last sign of life */
     char addr[SIM_ADDR_LEN];        /* as inserted, for fi_av_lookup */
+    int gone;                       /* its endpoint was gone when inserted (seg is NULL): sends to it fail */
 };
 
 struct sim_av {

@@ -18,17 +18,21 @@ static int av_insert(struct fid_av *fid, const void *addr, size_t count, fi_addr
     for (size_t i = 0; i < count; i++, a += SIM_ADDR_LEN) {
         int nic, pid, fd, slot, at = atomic_load_explicit(&av->count, memory_order_relaxed);
         uint32_t serial;
-        struct sim_segment *seg = NULL;
-        struct sim_watch *watch = NULL;
-        if (at < SIM_MAX_AV && sim_parse_addr(a, &nic, &pid, &fd, &serial, &slot) == 0)
-            seg = sim_map_peer(pid, fd, serial);
-        if (seg && !(watch = sim_watch_open(pid))) munmap(seg, sim_segment_size());
-        if (!watch) {
+        if (at >= SIM_MAX_AV || sim_parse_addr(a, &nic, &pid, &fd, &serial, &slot) != 0) {
+            if (fi_addr) fi_addr[i] = FI_ADDR_NOTAVAIL; /* no room, or not a sim address */
+            continue;
+        }
+        /* inserting asks nothing of the peer (EFA makes its address handles locally): an endpoint already
+         * gone is inserted too, and what is sent to it fails with FI_EHOSTUNREACH */
+        struct sim_segment *seg = sim_map_peer(pid, fd, serial);
+        struct sim_watch *watch = seg ? sim_watch_open(pid) : NULL;
+        if (seg && !watch) { /* no memory to watch its process */
+            munmap(seg, sim_segment_size());
             if (fi_addr) fi_addr[i] = FI_ADDR_NOTAVAIL;
             continue;
         }
         struct sim_peer *p = &av->peers[at];
-        *p = (struct sim_peer){.seg = seg, .pid = pid, .watch = watch, .serial = serial, .slot = slot};
+        *p = (struct sim_peer){.seg = seg, .pid = pid, .watch = watch, .serial = serial, .slot = slot, .gone = !seg};
         memcpy(p->addr, a, SIM_ADDR_LEN);
         atomic_store_explicit(&av->count, at + 1, memory_order_release); /* posts from other threads see it filled */
         if (fi_addr) fi_addr[i] = (fi_addr_t)at;
@@ -46,9 +50,15 @@ static void forget(struct sim_av *av, fi_addr_t at) {
         sim_release_port(av->eps[e], at);
         sim_ep_unlock(av->eps[e]);
     }
-    sim_watch_close(p->watch);
-    munmap(p->seg, sim_segment_size());
+    if (p->watch) sim_watch_close(p->watch);
+    if (p->seg) munmap(p->seg, sim_segment_size());
     p->seg = NULL;
+    p->watch = NULL;
+    p->gone = 0;
+}
+
+static int known(struct sim_av *av, fi_addr_t at) {
+    return at < (fi_addr_t)atomic_load(&av->count) && (av->peers[at].seg || av->peers[at].gone);
 }
 
 static int av_remove(struct fid_av *fid, fi_addr_t *fi_addr, size_t count, uint64_t flags) {
@@ -57,7 +67,7 @@ static int av_remove(struct fid_av *fid, fi_addr_t *fi_addr, size_t count, uint6
     int rc = 0;
     pthread_mutex_lock(&av->lock);
     for (size_t i = 0; i < count && !rc; i++) {
-        if (fi_addr[i] >= (fi_addr_t)av->count || !av->peers[fi_addr[i]].seg) {
+        if (!known(av, fi_addr[i])) {
             rc = -FI_EINVAL;
             break;
         }
@@ -69,7 +79,7 @@ static int av_remove(struct fid_av *fid, fi_addr_t *fi_addr, size_t count, uint6
 
 static int av_lookup(struct fid_av *fid, fi_addr_t fi_addr, void *addr, size_t *addrlen) {
     struct sim_av *av = (struct sim_av *)fid;
-    if (!addrlen || fi_addr >= (fi_addr_t)atomic_load(&av->count) || !av->peers[fi_addr].seg) return -FI_EINVAL;
+    if (!addrlen || !known(av, fi_addr)) return -FI_EINVAL;
     size_t have = *addrlen;
     *addrlen = SIM_ADDR_LEN;
     if (addr) memcpy(addr, av->peers[fi_addr].addr, have < SIM_ADDR_LEN ? have : SIM_ADDR_LEN);
@@ -116,7 +126,7 @@ static int av_close(struct fid *fid) {
     pthread_mutex_unlock(&av->lock);
     if (bound) return -FI_EBUSY; /* its endpoints still send through it */
     for (int i = 0; i < av->count; i++)
-        if (av->peers[i].seg) forget(av, (fi_addr_t)i);
+        if (known(av, (fi_addr_t)i)) forget(av, (fi_addr_t)i);
     atomic_fetch_sub(&av->domain->refs, 1);
     pthread_mutex_destroy(&av->lock);
     free(av);

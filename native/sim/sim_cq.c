@@ -55,7 +55,8 @@ void sim_cq_fill(struct sim_cq *cq, void *buf, size_t i, void *context, uint64_t
 }
 
 /* Progress every endpoint bound to the CQ (its receive side if the CQ is its receive CQ, its transmit side if
- * its transmit CQ), starting with a different one each time so that none starves the others. */
+ * its transmit CQ, and its departures whichever it is), starting with a different one each time so that none
+ * starves the others. */
 static ssize_t cq_read(struct fid_cq *fid, void *buf, size_t count) {
     struct sim_cq *cq = (struct sim_cq *)fid;
     pthread_mutex_lock(&cq->lock);
@@ -67,6 +68,7 @@ static ssize_t cq_read(struct fid_cq *fid, void *buf, size_t count) {
             struct sim_ep *ep = cq->eps[(first + (unsigned)i) % (unsigned)cq->neps];
             if (!ep->enabled) continue;
             sim_ep_lock(ep);
+            sim_send_due(ep, now); /* a poll of either CQ lets what is due leave the writer's NIC */
             if (ep->rx_cq == cq) n = sim_progress_rx(ep, buf, count, n, now);
             if (ep->tx_cq == cq) n = sim_progress_tx(ep, buf, count, n, now);
             sim_ep_unlock(ep);

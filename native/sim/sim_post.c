@@ -97,9 +97,9 @@ static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t
                         (flags & (FI_COMPLETION | FI_REMOTE_CQ_DATA));
     size_t len = iov_bytes(iov, count);
     if (!ep->enabled) return -FI_EOPBADSTATE;
-    if (dest >= (fi_addr_t)atomic_load_explicit(&ep->av->count, memory_order_acquire) || !ep->av->peers[dest].seg)
-        return -FI_EINVAL;
+    if (dest >= (fi_addr_t)atomic_load_explicit(&ep->av->count, memory_order_acquire)) return -FI_EINVAL;
     struct sim_peer *peer = &ep->av->peers[dest];
+    if (!peer->seg) return peer->gone ? refuse(ep, context, op_flags, len, FI_EHOSTUNREACH) : -FI_EINVAL; /* removed */
     if (ep->tx_tail - ep->tx_head >= SIM_TX) return -FI_EAGAIN;
     uint64_t now = sim_now_ns();
     if (sim_peer_known_dead(peer, now)) return refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
