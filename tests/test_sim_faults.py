@@ -4,6 +4,7 @@ the bytes of one data ring; errors in bulk; a target SIGKILLed (reaped, or left 
 writes judged by when they completed in the model; many senders into one endpoint; a message without a
 receive holding nothing else back; the receive line given in the order bytes arrive. Real processes, real
 libfabric calls (tests/sim_peer.py is the target, tests/sim_fault_writer.py a writer)."""
+import contextlib
 import errno
 import json
 import os
@@ -34,18 +35,19 @@ def read_line(proc: subprocess.Popen, timeout: float) -> str:
     return proc.stdout.readline()
 
 
-def start_target(count: int, nic: str = NIC_B, **env) -> tuple[subprocess.Popen, str, str]:
-    """tests/sim_peer.py in a process of its own: it serves until `count` immediate data have arrived."""
+@contextlib.contextmanager
+def target_process(count: int, nic: str = NIC_B, **env):
+    """tests/sim_peer.py in a process of its own, (process, address, region): it serves until `count`
+    immediate data have arrived, and is killed (if still there) and reaped on the way out."""
     proc = subprocess.Popen([sys.executable, str(HERE / "sim_peer.py"), nic, str(count)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, **SIM_ENV, **env})
-    address, region = read_line(proc, 30).split()
-    return proc, address, region
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(10)
+    try:
+        address, region = read_line(proc, 30).split()
+        yield proc, address, region
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
 
 
 # ------------------------------------------------------------------------------------- finding 3
@@ -82,8 +84,7 @@ def _kill_mid_transfer(reap: bool, writes: int = 8192, kill_after: int = 1000) -
     and SIGKILLs it once `kill_after` have completed; the target is reaped at once, or left a zombie
     (killed, not yet waited for by its parent: this test) until the writer is done."""
     env = {"FABRICLAB_SIM_GBPS": "10"}
-    target, address, region = start_target(1 << 30, **env)
-    try:
+    with target_process(1 << 30, **env) as (target, address, region):
         if reap:
             threading.Thread(target=target.wait, daemon=True).start()
         writer = subprocess.run([sys.executable, str(HERE / "sim_fault_writer.py"), address, region,
@@ -93,8 +94,6 @@ def _kill_mid_transfer(reap: bool, writes: int = 8192, kill_after: int = 1000) -
         result = json.loads(writer.stdout)
         assert result["killed"], result
         return result
-    finally:
-        stop(target)
 
 
 @pytest.mark.parametrize("reap", [True, False], ids=["reaped", "zombie"])
@@ -118,8 +117,7 @@ def test_writes_that_completed_before_the_target_died_succeed(pair):
     each landed while it lived) and is then killed. Polled afterwards, all 4096 complete with success:
     a write is judged at the time it completed in the model, not when its writer looks."""
     a, *_ = pair
-    target, address, region = start_target(4096)
-    try:
+    with target_process(4096) as (target, address, region):
         dest = a.av.insert(fi.Address.parse(address))
         remote = fi.RemoteRegion.unpack(bytes.fromhex(region))
         mr = a.register(np.ones(256, dtype=np.uint8))
@@ -131,8 +129,6 @@ def test_writes_that_completed_before_the_target_died_succeed(pair):
         target.wait(10)
         tally = drive([a], lambda i: False, 0, expected=4096)
         assert tally.summary() == {"ok": 4096, "errors": {}, "missing": 0, "twice": 0}
-    finally:
-        stop(target)
 
 
 # ------------------------------------------------------------------------------------- finding 6
@@ -158,15 +154,22 @@ def test_a_message_without_a_receive_holds_back_no_immediate_data(pair):
 # ------------------------------------------------------------------------------------- finding 7
 
 
-def _senders(count: int) -> list:
-    """`count` sending endpoints in this process, eight to a NIC (each with its own CQ and AV)."""
-    infos, senders = fi.domains("sim"), []
-    while len(senders) < count:
-        domain = fi.Fabric(infos[len(senders) // 8 % len(infos)]).domain()
-        for _ in range(min(8, count - len(senders))):
-            cq = domain.completion_queue()
-            senders.append((domain, cq, domain.endpoint(cq, domain.address_vector())))
-    return senders
+@contextlib.contextmanager
+def sending_endpoints(count: int):
+    """`count` sending endpoints in this process, eight to a NIC (each with its own CQ and AV), as
+    (domain, cq, endpoint); their fabrics are closed on the way out."""
+    infos, senders, fabrics = fi.domains("sim"), [], []
+    try:
+        while len(senders) < count:
+            fabrics.append(fi.Fabric(infos[len(fabrics) % len(infos)]))
+            domain = fabrics[-1].domain()
+            for _ in range(min(8, count - len(senders))):
+                cq = domain.completion_queue()
+                senders.append((domain, cq, domain.endpoint(cq, domain.address_vector())))
+        yield senders
+    finally:
+        for fabric in fabrics:
+            fabric.close()
 
 
 def _write_from_each(senders: list, address: str, region: str, per_sender: int):
@@ -182,33 +185,22 @@ def _write_from_each(senders: list, address: str, region: str, per_sender: int):
 
 
 def test_sixty_four_sending_endpoints_into_one_target_endpoint():
-    target, address, region = start_target(64 * 16, nic=TARGET_NIC)
-    senders = _senders(64)
-    try:
+    with target_process(64 * 16, nic=TARGET_NIC) as (target, address, region), sending_endpoints(64) as senders:
         tally = _write_from_each(senders, address, region, 16)
         assert tally.summary() == {"ok": 64 * 16, "errors": {}, "missing": 0, "twice": 0}
         assert sorted(map(int, read_line(target, 30).split()[:-1])) == list(range(64 * 16))
-    finally:
-        for domain, *_ in senders:
-            domain.parent.close()
-        stop(target)
 
 
 def test_a_sender_past_the_limit_gets_an_error_that_says_so():
     """The model gives one target endpoint rings for SENDER_LIMIT sending endpoints at once: the next
     one's write completes with an error naming that limit, never -FI_EAGAIN for ever."""
-    target, address, region = start_target(1 << 30, nic=TARGET_NIC)
-    senders = _senders(SENDER_LIMIT + 1)
-    try:
+    with (target_process(1 << 30, nic=TARGET_NIC) as (_, address, region),
+          sending_endpoints(SENDER_LIMIT + 1) as senders):
         tally = _write_from_each(senders, address, region, 1)
         assert tally.summary() == {"ok": SENDER_LIMIT, "errors": {fi.errno_name(errno.ENOSPC): 1}, "missing": 0,
                                    "twice": 0}
         (token, _), = tally.errors.items()
         assert f"hears {SENDER_LIMIT} sending endpoints" in tally.details[token]
-    finally:
-        for domain, *_ in senders:
-            domain.parent.close()
-        stop(target)
 
 
 # ------------------------------------------------------------------------------------ finding 11
@@ -269,9 +261,7 @@ def test_engine_names_the_sender_limit_of_the_peers_endpoint(monkeypatch):
     process's, each with a message waiting there) is told that, not "peer gone or stalled?" nor "check the
     descriptor". One modeled NIC on both engines."""
     monkeypatch.setenv("FABRICLAB_SIM_NICS", "1")
-    target = PeerProcess(("sim", None), 1 << 20)
-    senders = _senders(SENDER_LIMIT)
-    try:
+    with contextlib.closing(PeerProcess(("sim", None), 1 << 20)) as target, sending_endpoints(SENDER_LIMIT) as senders:
         _, (nic,), _ = engine_module._parse_address(target.address)
         for domain, _, ep in senders:
             mr = domain.register(np.zeros(1, dtype=np.uint8), endpoint=ep)
@@ -292,10 +282,6 @@ def test_engine_names_the_sender_limit_of_the_peers_endpoint(monkeypatch):
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith("WriteRejected"), out.stdout
         assert f"{SENDER_LIMIT} sending endpoints" in out.stdout and "stalled" not in out.stdout, out.stdout
-    finally:
-        for domain, *_ in senders:
-            domain.parent.close()
-        target.close()
 
 
 def _pidfds() -> int:
@@ -311,15 +297,9 @@ def _pidfds() -> int:
 def test_one_pidfd_per_peer_process_given_back_with_the_last_entry():
     """A peer process is looked at through one pidfd, however many AV entries (an engine: one per NIC) name
     it, and the descriptor goes with the last of them: nothing left open after the stacks close."""
-    target, address, _ = start_target(1)
     before = _pidfds()
-    stacks = [fi.EndpointStack(info) for info in fi.domains("sim")[:3]]
-    try:
-        for stack in stacks:
-            stack.av.insert(fi.Address.parse(address))
+    with target_process(1) as (_, address, _), contextlib.ExitStack() as stacks:
+        for info in fi.domains("sim")[:3]:
+            stacks.enter_context(fi.EndpointStack(info)).av.insert(fi.Address.parse(address))
         assert _pidfds() == before + 1
-    finally:
-        for stack in stacks:
-            stack.close()
-        stop(target)
     assert _pidfds() == before
