@@ -17,7 +17,7 @@ setup: system-deps $(STAMP)
 system-deps:
 	@scripts/install-system-deps
 
-$(STAMP): pyproject.toml setup.py $(wildcard native/*) $(wildcard native/sim/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard native/*) $(wildcard native/sim/*.c native/sim/*.h)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[lab,test]'
 	@touch $@

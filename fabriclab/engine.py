@@ -1626,6 +1626,11 @@ class _Service:
                                    "dropped the connection over a write it could not take — tcp drops it for a "
                                    "write into a closed region). Engine.connect() to it again revives the paths",
                                    buffer_safe=safe, safety=safety)
+            elif code == errno.ENOSPC:
+                failure = WriteRejected("the peer's endpoint takes writes from no more senders (ENOSPC): it already "
+                                        "hears as many sending endpoints as its provider allows (sim: 256 sending "
+                                        "endpoints, docs/model.md). Fewer writers into one peer, or close the ones "
+                                        "that are done", buffer_safe=safe, safety=safety)
             elif code in _PEER_GONE:
                 failure = PeerLost(f"the peer is gone: a write of the transfer failed with {text}", buffer_safe=safe,
                                    safety=safety)

@@ -73,7 +73,8 @@ SIM_PROVIDER = "libsim-fi.so"
 
 
 def build_sim_provider(output_dir, compiler=None) -> pathlib.Path:
-    """Compile native/sim/sim.c into ``output_dir``/libsim-fi.so with the compiler setuptools uses."""
+    """Compile native/sim/*.c into ``output_dir``/libsim-fi.so with the compiler setuptools uses. Only
+    fi_prov_ini leaves the library (-fvisibility=hidden): the provider's sim_* names stay its own."""
     from setuptools._distutils.ccompiler import new_compiler
     from setuptools._distutils.sysconfig import customize_compiler
     if compiler is None:
@@ -82,8 +83,10 @@ def build_sim_provider(output_dir, compiler=None) -> pathlib.Path:
     flags = find_libfabric()
     output_dir = pathlib.Path(output_dir)
     build_dir = HERE / "sim" / "build"
-    objects = compiler.compile([str(HERE / "sim" / "sim.c")], output_dir=str(build_dir),
-                               include_dirs=flags["include_dirs"], extra_preargs=["-fPIC"],
+    sources = sorted(HERE.glob("sim/*.c"))
+    objects = compiler.compile([str(p) for p in sources], output_dir=str(build_dir),
+                               include_dirs=flags["include_dirs"], extra_preargs=["-fPIC", "-fvisibility=hidden"],
+                               depends=[str(p) for p in HERE.glob("sim/*.h")],
                                extra_postargs=["-O2", "-Wall", "-Wno-unused-parameter"])
     target = output_dir / SIM_PROVIDER
     compiler.link_shared_object(objects, str(target), libraries=["fabric"], library_dirs=flags["library_dirs"],

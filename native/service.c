@@ -273,10 +273,11 @@ void service_paths_down(thread_ctx *t, int nic_index) {
 }
 
 /* Errors that say the way to the peer failed (connection reset, canceled, unreachable, ...), not that the
- * write itself was wrong: those are failed over like a stalled link. */
+ * write itself was wrong, nor that the peer's endpoint hears as many senders as it can (FI_ENOSPC): those
+ * are failed over like a stalled link. */
 int path_error(int err) {
     return err != FI_EINVAL && err != FI_EACCES && err != FI_EPERM && err != FI_EMSGSIZE && err != FI_EFAULT &&
-           err != FI_ENOSYS && err != FI_EOPNOTSUPP && err != FI_EBADFLAGS;
+           err != FI_ENOSYS && err != FI_EOPNOTSUPP && err != FI_EBADFLAGS && err != FI_ENOSPC;
 }
 
 /* Move what the submitter queued for this worker into its NICs' rings (at most `budget`). */

@@ -1,4 +1,4 @@
-"""The modeled p5 NICs (provider sim, native/sim/sim.c, docs/model.md) under the binding: what it reports,
+"""The modeled p5 NICs (provider sim, native/sim/, docs/model.md) under the binding: what it reports,
 messages, writes with immediate data, errors, payload mode, the line rate as a lower bound on a write's
 completion time, two processes, and no shared memory left after exit or SIGKILL."""
 import os
@@ -48,7 +48,8 @@ def test_reports_a_p5_shaped_host():
     info = infos[0]
     assert (info.provider, info.domain, info.fabric) == ("sim", NIC_A, "modeled-p5")
     assert info.caps & fi.lib.FI_MSG and info.caps & fi.lib.FI_RMA
-    assert set(info.mr_mode_names) == {"FI_MR_LOCAL", "FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_PROV_KEY"}
+    # as the p5's efa reports it (../shared/reference/figures.md): no FI_MR_LOCAL
+    assert set(info.mr_mode_names) == {"FI_MR_VIRT_ADDR", "FI_MR_ALLOCATED", "FI_MR_PROV_KEY", "FI_MR_HMEM"}
     assert (info.tx_size, info.rx_size, info.inject_size, info.cq_data_size) == (4096, 8192, 4096, 4)
     assert info.nic.link_speed_bps == 100_000_000_000
     assert info.modeled and not info.moves_payload
@@ -103,6 +104,25 @@ def test_bad_key_range_and_address_are_error_completions(pair):
         assert err.value.token == "bad"
     with pytest.raises(fi.FabricError, match="fi_writemsg"):
         a.ep.post_write(ms, 0, 64, 99, good, 0, "no such peer")
+
+
+def test_a_fresh_endpoint_on_the_same_cq_and_av_as_the_engine_renews_one(pair):
+    """The Engine's endpoint renewal: a second endpoint bound to a stack's CQ and AV, both writing, both
+    completing on that CQ; the old one closes while the fresh one keeps working (issue 22 finding 8)."""
+    a, b, to_b, _ = pair
+    fresh = fi.Endpoint(a.domain, a.cq, a.av)
+    try:
+        src, dst = a.register(np.ones(4096, dtype=np.uint8)), b.register(np.zeros(4096, dtype=np.uint8))
+        a.ep.post_write(src, 0, 64, to_b, dst.remote(), 0, "old", data=1)
+        fresh.post_write(src, 0, 64, to_b, dst.remote(), 64, "fresh", data=2)
+        got = pump([a, b], 4)
+        assert sorted(str(c.token) for c in got) == ["None", "None", "fresh", "old"]
+        assert sorted(c.data for c in got if c.has_data) == [1, 2]
+        a.ep.close()
+        fresh.post_write(src, 0, 64, to_b, dst.remote(), 128, "after", data=3)
+        assert sorted(str(c.token) for c in pump([a, b], 2)) == ["None", "after"]
+    finally:
+        fresh.close()
 
 
 def test_binding_tree_closes_cleanly_and_twice(pair):

@@ -1,0 +1,139 @@
+/* Progress: what is due becomes a completion, looked at when the application polls a CQ (no thread runs
+ * behind the application's back). The target side reads its ports, the writer side its pending posts.
+ * Every posted operation completes exactly once, with success or an error: an error that finds the CQ's
+ * error queue full waits where it is until the application has read the queue. */
+#include "sim.h"
+
+#include <inttypes.h>
+#include <string.h>
+
+static int is_message(uint32_t kind) { return kind == SIM_KIND_SEND || kind == SIM_KIND_SEND_DATA; }
+
+static void scatter(const struct sim_recv *r, const char *src, size_t len) {
+    for (size_t i = 0; i < r->count && len; i++) {
+        size_t piece = r->iov[i].iov_len < len ? r->iov[i].iov_len : len;
+        memcpy(r->iov[i].iov_base, src, piece);
+        src += piece;
+        len -= piece;
+    }
+}
+
+/* A message meets the oldest posted receive: copied into it, or an error if it does not fit. 0 when done
+ * (the entry is taken), -1 when the error queue is full (tried again at a later poll). */
+static int deliver(struct sim_ep *ep, struct sim_port *port, int p, struct sim_entry *e, void *buf, size_t *n) {
+    struct sim_segment *seg = ep->domain->seg;
+    struct sim_recv *r = &ep->rx[ep->rx_head % SIM_RX];
+    uint64_t at = e->data_at % SIM_DATA_BYTES;
+    if (e->len > SIM_DATA_BYTES || at + e->len > SIM_DATA_BYTES) { /* not what a sender writes: dropped */
+        e->kind = SIM_KIND_TAKEN;
+        return 0;
+    }
+    if (e->len > r->len) {
+        if (sim_cq_push_error(ep->rx_cq, r->context, FI_RECV | FI_MSG, r->len, FI_ETRUNC,
+                              "message of %" PRIu64 " bytes into a %zu-byte receive", e->len, r->len) < 0)
+            return -1;
+    } else {
+        uint64_t data = e->kind == SIM_KIND_SEND_DATA ? FI_REMOTE_CQ_DATA : 0;
+        scatter(r, sim_port_data(seg, ep->slot, p) + at, e->len);
+        if (r->flags & FI_COMPLETION) /* a receive posted without it, on a selective endpoint, completes silently */
+            sim_cq_fill(ep->rx_cq, buf, (*n)++, r->context, FI_RECV | FI_MSG | data, e->len, NULL, data ? e->imm : 0);
+    }
+    ep->rx_head++;
+    atomic_store_explicit(&port->data_tail, e->data_at + e->len, memory_order_release);
+    e->kind = SIM_KIND_TAKEN;
+    return 0;
+}
+
+/* Messages that came before any receive was posted for them, oldest first, now that receives are posted. */
+static void deliver_waiting(struct sim_ep *ep, struct sim_port *port, int p, void *buf, size_t count, size_t *n) {
+    struct sim_rx_port *rp = &ep->rx_ports[p];
+    uint64_t tail = atomic_load_explicit(&port->tail, memory_order_relaxed);
+    for (uint64_t i = tail; i != rp->scan && rp->waiting && ep->rx_head != ep->rx_tail && *n < count; i++) {
+        struct sim_entry *e = &port->ring[i % SIM_RING];
+        if (!is_message(e->kind)) continue;
+        if (deliver(ep, port, p, e, buf, n) < 0) return;
+        rp->waiting--;
+    }
+}
+
+/* One port: what has landed becomes a completion. A message without a posted receive waits (RDM's
+ * unexpected message) and holds back only the messages after it, never the immediate data of writes. */
+static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t *n, uint64_t now) {
+    struct sim_port *port = &ep->domain->seg->ports[ep->slot][p];
+    struct sim_rx_port *rp = &ep->rx_ports[p];
+    uint64_t tail = atomic_load_explicit(&port->tail, memory_order_relaxed);
+    uint64_t head = atomic_load_explicit(&port->head, memory_order_acquire);
+    if (head - tail > SIM_RING) head = tail + SIM_RING; /* a head no sender writes: read no further */
+    if (rp->scan - tail > head - tail) *rp = (struct sim_rx_port){.scan = tail}; /* a port claimed anew */
+    if (rp->waiting) deliver_waiting(ep, port, p, buf, count, n);
+    for (; rp->scan != head && *n < count; rp->scan++) {
+        struct sim_entry *e = &port->ring[rp->scan % SIM_RING];
+        if (e->due_ns > now) break;
+        if (is_message(e->kind)) {
+            if (rp->waiting || ep->rx_head == ep->rx_tail) {
+                rp->waiting++;
+                continue;
+            }
+            if (deliver(ep, port, p, e, buf, n) < 0) break;
+        } else {
+            if (e->kind == SIM_KIND_WRITE_DATA)
+                sim_cq_fill(ep->rx_cq, buf, (*n)++, NULL, FI_REMOTE_WRITE | FI_RMA | FI_REMOTE_CQ_DATA, e->len,
+                            NULL, e->imm);
+            if (rp->waiting) e->kind = SIM_KIND_TAKEN; /* else the tail passes it right below */
+        }
+    }
+    if (!rp->waiting) tail = rp->scan;
+    while (tail != rp->scan && port->ring[tail % SIM_RING].kind == SIM_KIND_TAKEN) tail++;
+    atomic_store_explicit(&port->tail, tail, memory_order_release);
+    if (tail == head && atomic_load_explicit(&port->closed, memory_order_acquire)) {
+        /* the sender closed and everything it sent is read: the port is free again */
+        atomic_store(&port->closed, 0);
+        atomic_store(&port->owner, 0);
+    }
+}
+
+/* The target side, filling buf from n on. Polling is also this process's sign of life to its peers' writers
+ * (sim_peer_alive_at). */
+size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
+    struct sim_segment *seg = ep->domain->seg;
+    atomic_store_explicit(&seg->polled_ns, now, memory_order_relaxed);
+    for (int w = 0; w < SIM_PORT_WORDS && n < count; w++) {
+        uint64_t used = atomic_load_explicit(&seg->ports_used[ep->slot][w], memory_order_acquire);
+        for (; used && n < count; used &= used - 1) read_port(ep, w * 64 + __builtin_ctzll(used), buf, count, &n, now);
+    }
+    return n;
+}
+
+/* One pending operation, once it is due or its peer is known gone: 1 when it completed (with success or
+ * an error), 0 when it must wait (not due, or the error queue is full). */
+static int complete(struct sim_ep *ep, struct sim_pending *t, void *buf, size_t *n, uint64_t now) {
+    struct sim_cq *cq = ep->tx_cq;
+    if (t->err)
+        return sim_cq_push_error(cq, t->context, t->flags, t->len, t->err, "%s", sim_error_text(t->err)) == 0;
+    struct sim_peer *peer = &ep->av->peers[t->dest];
+    int sent = ep->tx_sent != ep->tx_head; /* t is the oldest pending: has it left the NIC? */
+    int removed = !peer->seg;              /* fi_av_remove'd while the operation was on its way */
+    if (!sent || t->due_ns > now) {
+        /* not due yet, unless the peer's process ended before these bytes could land: they never will */
+        if (!removed && !sim_peer_known_dead(peer, sent ? t->landed_ns : t->tx_start_ns)) return 0;
+    } else if (!removed && sim_peer_alive_at(peer, t->landed_ns, now)) {
+        if (t->flags & FI_COMPLETION)
+            sim_cq_fill(cq, buf, (*n)++, t->context, t->flags & (FI_RMA | FI_WRITE | FI_MSG | FI_SEND), t->len, NULL,
+                        0);
+        return 1;
+    }
+    return sim_cq_push_error(cq, t->context, t->flags, t->len, FI_EHOSTUNREACH,
+                             "the peer process %d was gone (closed or killed) before the %s landed", peer->pid,
+                             t->kind == SIM_KIND_SEND ? "message" : "write") == 0;
+}
+
+/* The writer side: what is due to leave leaves; operations whose acknowledgement is due complete, in
+ * posting order. */
+size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
+    sim_send_due(ep, now);
+    while (ep->tx_head != ep->tx_tail && n < count && complete(ep, &ep->tx[ep->tx_head % SIM_TX], buf, &n, now)) {
+        if (ep->tx_sent == ep->tx_head) ep->tx_sent++;
+        ep->tx_head++;
+    }
+    return n;
+}
