@@ -35,6 +35,7 @@ from . import _native, fi
 
 MESSAGE_BYTES = 64 << 10   # the largest control message (a FILLED names up to ~5000 pages)
 RECEIVES = 64              # control messages that can wait to be read
+READS = 4 * RECEIVES       # messages one progress call reads at most: a flood never stops the rest
 SENDS = 64                 # control messages that can be on their way at once
 NO_LANE = 0xFFFF
 TEXT_CHARS = 400           # of a REFUSED's reason, at most (it ends up in the writer's exception)
@@ -156,7 +157,8 @@ class Rejected:
         self.total = 0
         self.by_sender: dict[str, int] = {}
 
-    def note(self, sender: str, problem: str) -> None:
+    def note(self, sender: str, problem: str, error: BaseException | None = None) -> None:
+        """Count a message dropped for ``problem`` (``error``: an exception whose traceback the log shows)."""
         self.total += 1
         if sender not in self.by_sender and len(self.by_sender) >= self.SENDERS:
             sender = "other senders"
@@ -164,22 +166,27 @@ class Rejected:
         if str(count).rstrip("0") == "1":
             log.warning("dropped a control message from %s: %s (%d so far from there; stats()['staging']"
                         "['bad_control_messages'] counts them all, and this log again at each tenfold count)",
-                        sender, problem, count)
+                        sender, problem, count, exc_info=error)
 
 
 # ---------------------------------------------------------------------------------- the channel
 
 
+class Superseded(Exception):
+    """Raised in a thread whose send call outlived WEDGED_S, when the call returns after all: another
+    thread serves the channel now, this one must stop."""
+
+
 class ControlChannel:
     """One endpoint for small messages, beside the engine's NICs (own fabric and domain, of the provider
-    and domain of the engine's first NIC, as fi_getinfo offers them), read by one thread (``progress``).
+    and domain of the engine's first NIC, as fi_getinfo offers them), served by one thread at a time.
 
     Messages wait per destination: one that takes nothing (a peer gone, whose provider keeps answering
-    EAGAIN) holds up no other, and is reported failed once it took nothing for ``unreachable_s``. Where the
-    provider is FI_THREAD_SAFE a sender thread of the channel's own posts them, so that a send that never
-    returns (shm spins for ever on a lock its killed peer held) stops no one else: after WEDGED_S its
-    destination is reported failed, the thread is left to the provider at idle priority, a fresh one
-    takes over, and the endpoint is never closed (the stuck call still uses it)."""
+    EAGAIN) holds up no other, and is reported failed once it took nothing for ``unreachable_s``. A send
+    call that never returns (shm spins for ever on the lock of a peer killed in its progress) is seen by
+    ``wedged``: ``supersede`` then reports its destination failed and leaves the stuck thread to the
+    provider at idle priority, for another thread to serve the channel; the endpoint is never closed then
+    (the stuck call still uses it)."""
 
     WEDGED_S = 2.0
 
@@ -199,24 +206,19 @@ class ControlChannel:
         self.address = self.stack.ep.address().to_bytes()
         self.unreachable_s = unreachable_s
         self.free_sends = collections.deque(range(SENDS))
-        self.lock = threading.Lock()  # outbox, stuck and failed: the sender thread's too
         self.outbox: dict[int, collections.deque[bytes]] = {}
         self.stuck: dict[int, float] = {}  # destination -> since when it takes nothing
-        self.failed: list[int] = []        # destinations found unreachable by the sender
         self.known: dict[bytes, int] = {}
-        self.calling: tuple[int, int, float] | None = None  # (generation, destination, since) in a send call
-        self.generation = 0                            # a sender thread serves while it is current
-        self.stranded: list[threading.Thread] = []
-        self.wake = threading.Event()
-        self.sender = None
-        if self.stack.info.threading == fi.lib.FI_THREAD_SAFE:
-            self._start_sender()
+        self.lock = threading.Lock()  # the send in progress, against supersede() from a watching thread
+        self.calling: tuple[int, int, float, int] | None = None  # (generation, destination, since, thread)
+        self.generation = 0
+        self.failed: list[int] = []  # destinations supersede() gave up on
+        self.stranded = 0            # threads left in a send call
 
     @property
     def can_send(self) -> bool:
-        """Whether messages wait for a destination that still takes them (the reader has work to poll)."""
-        with self.lock:
-            return any(dest not in self.stuck for dest in self.outbox)
+        """Whether messages wait for a destination that still takes them."""
+        return any(dest not in self.stuck for dest in self.outbox)
 
     def peer(self, address: bytes) -> int:
         """The fi_addr of a peer's control endpoint (inserted once)."""
@@ -228,34 +230,26 @@ class ControlChannel:
     def send(self, dest: int, message: bytes) -> None:
         if len(message) > self.message_bytes:
             raise fi.UsageError(f"control message of {len(message)} bytes exceeds {self.message_bytes}")
-        with self.lock:
-            self.outbox.setdefault(dest, collections.deque()).append(message)
-        self.wake.set()
+        self.outbox.setdefault(dest, collections.deque()).append(message)
 
     def forget(self, dest: int) -> None:
         """Drop what waits to go to ``dest`` (a peer found gone)."""
-        with self.lock:
-            self._forget(dest)
-
-    def _forget(self, dest: int) -> None:
         self.outbox.pop(dest, None)
         self.stuck.pop(dest, None)
 
     def progress(self) -> tuple[list[bytes], list[int]]:
-        """Read what arrived (and post what waits, where no sender thread does): (messages received,
-        peers found unreachable)."""
-        if self.sender is None:
-            self._post(self.generation)
-        else:
-            self._watch()
-        received, failed = [], []
-        while True:
+        """Post what waits to be sent, read what arrived: (messages received, peers found unreachable)."""
+        with self.lock:
+            failed, self.failed = self.failed, []
+        failed += [dest for dest in list(self.outbox) if not self._post(dest)]
+        received = []
+        while len(received) < READS:
             try:
                 completions = self.stack.cq.poll()
             except fi.FabricError as exc:
                 token = exc.token
                 if token and token[0] == "send":
-                    self._sent(token[1])
+                    self.free_sends.append(token[1])
                     failed.append(token[2])
                 elif token and token[0] == "recv":
                     self._repost(token[1])
@@ -268,101 +262,72 @@ class ControlChannel:
                     received.append(self.received[offset:offset + c.length].tobytes())
                     self._repost(c.token[1])
                 elif c.token and c.token[0] == "send":
-                    self._sent(c.token[1])
-        with self.lock:
-            failed += self.failed
-            self.failed = []
+                    self.free_sends.append(c.token[1])
         for dest in failed:
             self.forget(dest)
         return received, failed
 
-    def _sent(self, slot: int) -> None:
-        self.free_sends.append(slot)
-        self.wake.set()
+    def _post(self, dest: int) -> bool:
+        """Post what waits for ``dest`` while send slots are free; False if ``dest`` cannot be reached."""
+        queue = self.outbox[dest]
+        generation = self.generation
+        while queue and self.free_sends:
+            message, slot = queue[0], self.free_sends[0]
+            offset = slot * self.message_bytes
+            self.sending[offset:offset + len(message)] = np.frombuffer(message, np.uint8)
+            self.calling = (generation, dest, time.monotonic(), threading.get_native_id())
+            try:
+                posted = self.stack.ep.try_post_send(self.sending_mr, offset, len(message), dest, ("send", slot, dest))
+            except fi.FabricError:
+                posted = None
+            with self.lock:
+                if generation != self.generation:
+                    raise Superseded()  # the slot stays with the call
+                self.calling = None
+            if not posted:
+                return posted is not None and (
+                    time.monotonic() - self.stuck.setdefault(dest, time.monotonic()) < self.unreachable_s)
+            self.stuck.pop(dest, None)
+            queue.popleft()
+            self.free_sends.popleft()
+        if not queue:
+            del self.outbox[dest]
+        return True
 
-    def _post(self, generation: int) -> bool:
-        """Post what waits while send slots are free, a destination after another; whether any went."""
-        went = False
+    def wedged(self) -> bool:
+        """Whether a send call has been running for WEDGED_S (from any thread)."""
+        calling = self.calling
+        return calling is not None and calling[0] == self.generation and time.monotonic() - calling[2] > self.WEDGED_S
+
+    def supersede(self) -> bool:
+        """Give up on the wedged send call (from another thread than the one in it; False if it returned
+        meanwhile): what waits for its destination is dropped and the destination reported failed at the
+        next ``progress``, its thread is left at idle priority, and another thread may serve the channel;
+        the one in the call raises Superseded if the call ever returns."""
         with self.lock:
-            dests = list(self.outbox)
-        for dest in dests:
-            while True:
-                with self.lock:
-                    queue = self.outbox.get(dest)
-                    if not queue or not self.free_sends or generation != self.generation:
-                        break
-                    message, slot = queue[0], self.free_sends.popleft()
-                offset = slot * self.message_bytes
-                self.sending[offset:offset + len(message)] = np.frombuffer(message, np.uint8)
-                self.calling = (generation, dest, time.monotonic())
-                try:
-                    posted = self.stack.ep.try_post_send(self.sending_mr, offset, len(message), dest,
-                                                         ("send", slot, dest))
-                except fi.FabricError:
-                    posted = None
-                with self.lock:
-                    if generation != self.generation:
-                        return went  # taken for wedged meanwhile: the slot stays with the call
-                    self.calling = None
-                    if not posted:
-                        self.free_sends.appendleft(slot)
-                        since = self.stuck.setdefault(dest, time.monotonic())
-                        if posted is None or time.monotonic() - since > self.unreachable_s:
-                            self.failed.append(dest)
-                            self._forget(dest)
-                        break
-                    self.stuck.pop(dest, None)
-                    queue.popleft()
-                    if not queue:
-                        del self.outbox[dest]
-                went = True
-        return went
-
-    def _start_sender(self) -> None:
-        self.sender = threading.Thread(target=self._send_loop, args=(self.generation,),
-                                       name="fabriclab-control-send", daemon=True)
-        self.sender.start()
-
-    def _send_loop(self, generation: int) -> None:
-        while generation == self.generation:
-            self.wake.clear()
-            if not self._post(generation):
-                with self.lock:
-                    waiting = bool(self.outbox)
-                self.wake.wait(0.001 if waiting else 0.1)  # EAGAIN: try again soon
-
-    def _watch(self) -> None:
-        """A send call that has not returned for WEDGED_S never will: its destination is unreachable, its
-        thread is left to the provider (at idle priority: a spin burns only idle time), a fresh one sends."""
-        with self.lock:
-            calling = self.calling
-            if calling is None or calling[0] != self.generation or time.monotonic() - calling[2] < self.WEDGED_S:
-                return
+            if not self.wedged():
+                return False
+            _, dest, _, thread = self.calling
             self.generation += 1
-            self.failed.append(calling[1])
-            self._forget(calling[1])
-        stuck = self.sender
-        self.stranded.append(stuck)
+            self.calling = None
+            self.forget(dest)  # its thread is stuck, the next one not started: no one else uses the outbox
+            self.failed.append(dest)
+            self.stranded += 1
         try:
-            os.setpriority(os.PRIO_PROCESS, stuck.native_id, 19)
+            os.setpriority(os.PRIO_PROCESS, thread, 19)  # a spin burns only idle time
         except OSError:
             pass  # not allowed here: it spins at its priority
         log.warning("a control message to a peer has not left in %.0f s (the provider is stuck on the peer, which "
-                    "is taken for gone); a fresh thread sends the others", self.WEDGED_S)
-        self._start_sender()
+                    "is taken for gone); another thread serves the control channel", self.WEDGED_S)
+        return True
 
     def _repost(self, slot: int) -> None:
         self.stack.ep.post_recv(self.received_mr, slot * self.message_bytes, self.message_bytes, ("recv", slot))
 
     def close(self) -> None:
-        """Stop the sender and close the endpoint, unless a send call still runs on it (kept open, and with it
-        the memory it reads, for the life of the process)."""
-        with self.lock:
-            self.generation += 1
-        self.wake.set()
-        if self.sender is not None:
-            self.sender.join(1.0)
-        if any(t.is_alive() for t in self.stranded + [self.sender] if t is not None):
+        """Close the endpoint, unless a send call left stranded still runs on it: then it stays open, with
+        the memory it reads, for the life of the process."""
+        if self.stranded:
             self.stack.fabric.keep_open()
             _KEPT.append(self)
             return

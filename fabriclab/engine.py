@@ -1155,7 +1155,7 @@ class _Service:
         lanes, pool = landing.max_lanes(*self.staging_sizes)
         landed = self.landing.stats() if self.landing is not None else {
             "landed_bytes": 0, "landed_lanes": 0, "landing_copy_seconds": 0.0, "landing_jobs": 0,
-            "bad_control_messages": 0}
+            "bad_control_messages": 0, "control_threads_stranded": 0}
         return {**stats, "landing_pool_bytes": pool, "lanes": lanes,
                 "landing_allocated": self.landing is not None and self.landing.pool is not None, **landed}
 

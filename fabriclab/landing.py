@@ -146,6 +146,11 @@ class LandingJob:
             first = end
 
 
+def _writing(job: LandingJob) -> bool:
+    """Whether ``job`` may still write into a lane (it waits for lanes, or holds some it did not fill)."""
+    return bool(job.splits) or not all(entry[3] for entry in job.in_flight.values())
+
+
 class Landing:
     """The landing thread of one engine, with its control channel: it grants and copies lanes as a target
     (once the engine has a staged target) and runs writers' jobs into peers' staged targets."""
@@ -179,8 +184,9 @@ class Landing:
         self.releasing: list[tuple[int, int, int, object]] = []  # (target, job, lane, Transfer) once safe
         self.ended: collections.OrderedDict[int, int] = collections.OrderedDict()  # job -> target
         self.last_busy = self.last_loop = self.last_sweep = self.last_heartbeat = time.monotonic()
-        self.thread = threading.Thread(target=self._run, name="fabriclab-landing", daemon=True)
-        self.thread.start()
+        self.thread = self._start()
+        self.watcher = threading.Thread(target=self._watch, name="fabriclab-landing-watch", daemon=True)
+        self.watcher.start()
 
     @property
     def address(self) -> bytes:
@@ -215,12 +221,13 @@ class Landing:
         copy_s = sum(c.seconds for c in self.copiers.values())
         return {"landed_bytes": self.landed_bytes, "landed_lanes": self.landed_lanes,
                 "landing_copy_seconds": round(copy_s, 6), "landing_jobs": len(self.jobs),
-                "bad_control_messages": self.rejected.total}
+                "bad_control_messages": self.rejected.total, "control_threads_stranded": self.channel.stranded}
 
     def close(self, timeout: float = 5.0) -> None:
         with self.lock:
             self.closed = True
         self.thread.join(timeout)
+        self.watcher.join(1.0)
         for job in list(self.jobs.values()) + list(self.new_jobs):
             self._fail(job, "the engine was closed before the transfer landed in the target's memory", "engine")
         for job in self.unsafe:
@@ -232,6 +239,19 @@ class Landing:
 
     # --------------------------------------------------------------------------------- the thread
 
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="fabriclab-landing", daemon=True)
+        thread.start()
+        return thread
+
+    def _watch(self) -> None:
+        """A landing thread stuck in a send that never returns (ControlChannel.wedged) is replaced: the
+        peer it sends to is taken for gone, and the others are served on."""
+        while not self.closed:
+            time.sleep(0.25)
+            if not self.closed and self.channel.wedged() and self.channel.supersede():
+                self.thread = self._start()
+
     def _run(self) -> None:
         while not self.closed:
             now = time.monotonic()
@@ -240,6 +260,8 @@ class Landing:
             self.last_loop = now
             try:
                 busy = self._serve()
+            except control.Superseded:
+                return  # another thread serves now: this one was taken for stuck in a send
             except Exception:  # a bug of ours: say so, keep serving
                 control.log.exception("the landing thread hit an error; it goes on")
                 busy = False
@@ -282,6 +304,8 @@ class Landing:
             self.handlers[kind](sender, job, *fields)
         except BadMessage as exc:
             self.rejected.note(self._who(sender), str(exc))
+        except Exception as exc:  # a bug of ours, met on this message: said (as often as bad ones), not fatal
+            self.rejected.note(self._who(sender), f"serving it failed (a bug in fabriclab): {exc!r}", exc)
 
     def _who(self, sender: int | None) -> str:
         """A sender as Rejected counts it: an engine this thread serves or writes to, or anyone else."""
@@ -302,11 +326,10 @@ class Landing:
         now = time.monotonic()
         for client in self.clients.values():
             client.heard = now
-        for job in list(self.jobs.values()):
-            if job.splits or not all(entry[3] for entry in job.in_flight.values()):
-                self._fail(job, f"this engine did not run for {gap:.1f} s (stopped, or starved of CPU): the target "
-                                "may have given its landing lanes to other writers meanwhile, so the transfer stops "
-                                "rather than write into them", "timeout")
+        for job in [j for j in self.jobs.values() if _writing(j)]:
+            self._fail(job, f"this engine did not run for {gap:.1f} s (stopped, or starved of CPU): the target may "
+                            "have given its landing lanes to other writers meanwhile, so the transfer stops rather "
+                            "than write into them", "timeout")
 
     def _unreachable(self, dest: int) -> None:
         """A control endpoint that takes no more messages: its writers are gone, its targets too."""
@@ -572,6 +595,11 @@ class Landing:
             if now > job.deadline:
                 self._fail(job, "the deadline passed before every page landed in the target's memory (target "
                                 "gone or stalled, or its landing lanes all taken?)", "timeout")
+                continue
+            if now - self.channel.stuck.get(job.target, now) > STALL_S and _writing(job):
+                self._fail(job, f"no control message reached the target for {STALL_S:g} s: it may have taken this "
+                                "writer for gone and given its landing lanes to others, so the transfer stops rather "
+                                "than write into them", "peer")
                 continue
             for lane, entry in list(job.in_flight.items()):
                 first, end, sent, filled = entry
