@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _native, fi, landing, memory, shmclean, staging
+from . import _native, control, fi, landing, memory, shmclean, staging
 from .nics import (NicSet, NicSlot, default_layout, discover_topology, group_nics, host_identity, same_host_path,
                    topology_groups_holding, unique_registrations, worker_cores)
 
@@ -158,7 +158,7 @@ def _staging_failure(message: str, safe: bool, why: str, cause: BaseException | 
         return RegionClosed(message, buffer_safe=safe)
     if why == "timeout":
         return TransferTimeout(message, buffer_safe=safe)
-    if why == "engine":
+    if why in ("engine", "invalid"):  # invalid: the target refused a control message of this engine's
         return TransferError(message, buffer_safe=safe)
     return StagingFailed(message, buffer_safe=safe)
 
@@ -458,6 +458,7 @@ class Region:
         self.readonly = readonly
         self.id = next(self._ids)
         Region._live[self.id] = self  # a write from memory of this process into it can be checked for overlap
+        self._landing_key = secrets.randbits(64)  # a staged target's: in its descriptor, asked for with its lanes
         self._keep = keep
         self.path, self.why = "host" if kind == "host" else "cuda-direct", ""
         access = fi.ACCESS_SOURCE if readonly else fi.ACCESS_ALL  # read-only: a source only
@@ -557,14 +558,17 @@ def _cuda_device(pointer: int, length: int, claimed: int | None) -> int:
 @dataclass(frozen=True)
 class LandingRoute:
     """How to write into a peer's staged target: its landing lanes (a region of their own), a lane's size,
-    the largest control message it takes, and its control endpoint's address (fabriclab.landing)."""
+    the largest control message it takes, the region's key (asking for lanes takes it) and the control
+    endpoint's address (fabriclab.landing)."""
     lanes: "RemoteRegion"
     lane_bytes: int
     message_bytes: int
+    key: int
     address: bytes
 
 
-_LANDING_TAIL = struct.Struct("<IQIIH")  # lanes' region id, their length, lane bytes, message bytes, address length
+# lanes' region id, their length, lane bytes, message bytes, the region's key, address length
+_LANDING_TAIL = struct.Struct("<IQIIQH")
 
 
 @dataclass(frozen=True)
@@ -592,12 +596,12 @@ class RemoteRegion:
         bases, keys = tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)
         route = None
         if staged:
-            lanes_id, lanes_length, lane_bytes, message_bytes, size = _LANDING_TAIL.unpack_from(tail)
+            lanes_id, lanes_length, lane_bytes, message_bytes, key, size = _LANDING_TAIL.unpack_from(tail)
             address = tail[_LANDING_TAIL.size:]
             if len(address) != size or not lane_bytes or message_bytes < 64:
                 raise InvalidDescriptor("staged region descriptor is truncated or malformed")
             route = LandingRoute(cls(engine_id, lanes_id, lanes_length, bases, keys), lane_bytes, message_bytes,
-                                 address)
+                                 key, address)
         return cls(engine_id, region_id, length, bases, keys, route)
 
 
@@ -955,13 +959,13 @@ class Engine:
                     raise
                 landing_.open_lanes(pool)
         landing_.add_region(landing.TargetRegion(region.id, region.kind, region.address, region.length,
-                                                 region._state))
+                                                 region._state, region._landing_key))
         lanes = self._lanes_region
         body = _LANDING_MAGIC + struct.pack("<QIQH", self.id, region.id, region.length, len(lanes.keys))
         body += b"".join(struct.pack("<QQ", b, k) for b, k in zip(lanes.bases, lanes.keys))
         address = landing_.address
         body += _LANDING_TAIL.pack(lanes.id, lanes.length, landing_.pool.chunk_bytes,
-                                   landing_.channel.message_bytes, len(address)) + address
+                                   landing_.channel.message_bytes, region._landing_key, len(address)) + address
         return _seal(body)
 
     def connect(self, address) -> Peer:
@@ -1223,7 +1227,8 @@ class _Service:
                      "staged_bytes": 0, "staged_chunks": 0, "copy_seconds": 0.0, "jobs_waiting": 0}
         lanes, pool = landing.max_lanes(*self.staging_sizes)
         landed = self.landing.stats() if self.landing is not None else {
-            "landed_bytes": 0, "landed_lanes": 0, "landing_copy_seconds": 0.0, "landing_jobs": 0}
+            "landed_bytes": 0, "landed_lanes": 0, "landing_copy_seconds": 0.0, "landing_jobs": 0,
+            "bad_control_messages": 0, "control_threads_stranded": 0}
         return {**stats, "landing_pool_bytes": pool, "lanes": lanes,
                 "landing_allocated": self.landing is not None and self.landing.pool is not None, **landed}
 
@@ -1384,7 +1389,7 @@ class _Service:
                 raise StagingFailed(f"region {region.id} cannot be staged: {exc}", buffer_safe=True) from None
         lander = self.start_landing()
         message_bytes = min(route.message_bytes, lander.channel.message_bytes)
-        max_pages = (message_bytes - landing.FILLED_HEAD) // landing.PAGE_ENTRY.size
+        max_pages = (message_bytes - control.FILLED_HEAD) // control.PAGE_ENTRY.size
         deadline = time.monotonic() + timeout
         transfer = Transfer(n, int(lengths.sum()), deadline, _Safety(self.timeout), pages=n)
         state = region._state
@@ -1414,7 +1419,9 @@ class _Service:
 
         lander.submit(landing.LandingJob(route.address, remote.region_id, route.lane_bytes, max_pages,
                                          src.astype(np.int64) * stride, dst.astype(np.int64) * stride, lengths, imm,
-                                         deadline, post, done, transfer._safety.settle))
+                                         deadline, post, done, transfer._safety.settle, region_key=route.key,
+                                         target_id=remote.engine_id,
+                                         lanes=route.lanes.length // route.lane_bytes))
         return transfer
 
     def close_region(self, state: _RegionState, timeout: float) -> None:

@@ -1,13 +1,14 @@
 """A peer process for the API tests: an Engine with one registered buffer that waits for writes.
 
-    python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex] [--staged-host]
+    python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex] [--staged-host [--small-pool]]
 prints its bootstrap port, swaps (address, descriptor) with the test over it, then answers commands
 read from stdin, one per line: "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (or "timeout"),
 "digest", "count BYTE" -> how many bytes of the buffer hold that value, "close-region" (closes the
 region, waits until it is deregistered, registers a fresh zeroed buffer of the same size and answers
 with its descriptor in hex: later digests are of that buffer). DOMAIN may name several NICs,
 comma-separated. With --staged-host the buffer is a staged target in host memory (Engine._register_staged_host:
-writes land in the engine's lanes and are copied into place before they count). With --hex it prints the packed (address,
+writes land in the engine's lanes and are copied into place before they count); --small-pool makes its landing pool 4
+lanes of two 64 KiB pages, leased for 30 s (the engine's timeout). With --hex it prints the packed (address,
 descriptor) as one hex line instead of a port: a test outside the peer's network namespace cannot reach
 the peer's loopback, but it can always read the peer's stdout."""
 import hashlib
@@ -21,7 +22,9 @@ from fabriclab import Engine, TransferTimeout, bootstrap
 provider, domain, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 bootstrap_as_hex = "--hex" in sys.argv[4:]
 staged = "--staged-host" in sys.argv[4:]
-with Engine(provider, domains=None if domain == "-" else domain, pin=False, timeout=10) as engine:
+pool = (dict(staging_bytes=8 << 16, staging_chunk_bytes=2 << 16, timeout=30) if "--small-pool" in sys.argv[4:]
+        else dict(timeout=10))
+with Engine(provider, domains=None if domain == "-" else domain, pin=False, **pool) as engine:
     buffer = np.zeros(size, dtype=np.uint8)
     region = engine._register_staged_host(buffer) if staged else engine.register(buffer)
     if bootstrap_as_hex:

@@ -1,8 +1,9 @@
-"""A writer process for the hostile-use tests: a long-lived Engine writing one page per call.
+"""A writer process for the hostile-use tests: a long-lived Engine writing one page per call (or PAGES).
 
-    python tests/hostile_writer.py PROVIDER DOMAIN PACKED_HEX WRITES IMM
-PACKED_HEX is bootstrap.pack(peer address, peer region descriptor) as hex. Prints "wrote N" when every
-write has completed, or "failed after N: TYPE: MESSAGE" and exits 1."""
+    python tests/hostile_writer.py PROVIDER DOMAIN PACKED_HEX WRITES IMM [PAGES]
+PACKED_HEX is bootstrap.pack(peer address, peer region descriptor) as hex. Call i writes PAGES pages (1
+unless given) to pages i * PAGES, i * PAGES + 1, ... modulo max(16, PAGES) of the peer's region. Prints
+"wrote N" when every write has completed, or "failed after N: TYPE: MESSAGE" and exits 1."""
 import sys
 
 import numpy as np
@@ -10,15 +11,17 @@ import numpy as np
 from fabriclab import Engine, bootstrap
 
 provider, domain, packed, writes, imm = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+pages = int(sys.argv[6]) if len(sys.argv) > 6 else 1
 address, descriptor = bootstrap.unpack(bytes.fromhex(packed))
 PAGE = 65536
 with Engine(provider, domains=None if domain == "-" else domain, pin=False, timeout=10) as engine:
-    region = engine.register(np.full(PAGE, imm, dtype=np.uint8))
+    region = engine.register(np.full(pages * PAGE, imm, dtype=np.uint8))
     peer = engine.connect(address)
     done = 0
     try:
         for i in range(writes):
-            peer.write_pages(region, [0], descriptor, [i % 16], PAGE, imm=imm).result(10)
+            peer.write_pages(region, np.arange(pages), descriptor, (i * pages + np.arange(pages)) % max(16, pages),
+                             PAGE, imm=imm).result(10)
             done += 1
     except Exception as exc:
         print(f"failed after {done}: {type(exc).__name__}: {exc}", flush=True)

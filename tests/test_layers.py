@@ -14,7 +14,8 @@ from fabriclab import fi
 
 PACKAGE = pathlib.Path(fabriclab.__file__).parent
 BINDING = {"fi", "_fabric"}
-CORE = {"nics", "_native", "memory", "gpu", "staging", "landing", "topology", "shmclean", "cli", "engine", "bootstrap"}
+CORE = {"nics", "_native", "memory", "gpu", "staging", "landing", "control", "lanecopy", "topology", "shmclean", "cli",
+        "engine", "bootstrap"}
 STAGES = ["unidirectional", "bidirectional", "rdma_write", "opqueue", "multi_nic", "threaded", "batched"]
 TOP = {"course", "tools", "__main__"}
 

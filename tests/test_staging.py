@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fabriclab import (Engine, PeerLost, RegionClosed, StagingFailed, TransferError, TransferTimeout, bootstrap, fi,
-                       gpu, landing, memory, staging)
+                       gpu, landing, lanecopy, memory, staging)
 from fabriclab.nics import NicSet
 from test_api import PeerProcess
 
@@ -501,5 +501,5 @@ def test_copies_join_pages_that_continue_each_other_on_both_sides():
     assert src.tolist() == [0, 50, 60] and dst.tolist() == [100, 0, 200] and lengths.tolist() == [30, 10, 10]
     assert [a.size for a in staging.copy_runs([], [], [])] == [0, 0, 0]
     entries = np.array([(4096, 4096), (8192, 4096), (0, 4096)], dtype=[("dst", "<u8"), ("length", "<u4")])
-    lane, region, sizes = landing.lane_copies(entries)  # pages packed in the lane, in FILLED's order
+    lane, region, sizes = lanecopy.lane_copies(entries)  # pages packed in the lane, in FILLED's order
     assert lane.tolist() == [0, 8192] and region.tolist() == [4096, 0] and sizes.tolist() == [8192, 4096]

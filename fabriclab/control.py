@@ -1,0 +1,337 @@
+"""The control channel of staged targets (``fabriclab.landing``): its messages, read and checked, and the
+endpoint that carries them.
+
+Every message is untrusted input, whoever claims to send it. :func:`read` checks what a message can say
+about itself (its kind, its length against its counts, each field's range, as unsigned) and raises
+:class:`BadMessage` naming the problem; the landing thread then checks it against what its sender was
+granted. A message that fails is dropped on its own (the others read with it are served) and counted in
+:class:`Rejected`, which logs the first from each sender and then every tenfold count, never a line per
+message. Messages:
+
+    REQUEST  writer -> target   lanes wanted for a transfer, the region's key (from its descriptor), and
+                                the writer's control address
+    GRANT    target -> writer   these lanes are yours
+    FILLED   writer -> target   lane L holds these pages (in order), for these offsets, counted under imm
+    RELEASE  writer -> target   lane L is yours again, unfilled (the transfer failed or ended early)
+    COPIED   target -> writer   lane L's pages are in place and counted
+    REFUSED  target -> writer   the transfer cannot land (region closed, CUDA failed, ...): why
+    ALIVE    writer -> target   these transfers of mine still run (every HEARTBEAT_S, while they do)
+
+A message's head names its sender's engine id and the writer's job: a random 64-bit number, so that no one
+but the writer and its target can speak for a transfer.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import struct
+import threading
+import time
+
+import numpy as np
+
+from . import _native, fi
+
+MESSAGE_BYTES = 64 << 10   # the largest control message (a FILLED names up to ~5000 pages)
+RECEIVES = 64              # control messages that can wait to be read
+READS = 4 * RECEIVES       # messages one progress call reads at most: a flood never stops the rest
+SENDS = 64                 # control messages that can be on their way at once
+NO_LANE = 0xFFFF
+TEXT_CHARS = 400           # of a REFUSED's reason, at most (it ends up in the writer's exception)
+
+REQUEST, GRANT, FILLED, RELEASE, COPIED, REFUSED, ALIVE = range(1, 8)
+HEAD = struct.Struct("<BQQ")           # kind, sender's engine id, the writer's job
+REQUEST_BODY = struct.Struct("<IQIH")  # region id, region key, lanes wanted, control address length (address follows)
+FILLED_BODY = struct.Struct("<IHII")   # region id, lane, imm, pages (entries follow)
+PAGE_ENTRY = struct.Struct("<QI")      # FILLED: a page's destination offset in the region and its length
+PAGE_ENTRIES = np.dtype([("dst", "<u8"), ("length", "<u4")])
+FILLED_HEAD = HEAD.size + FILLED_BODY.size
+LANE = struct.Struct("<H")
+REFUSED_BODY = struct.Struct("<HB")    # lane (NO_LANE: the whole transfer), why (index in WHY; text follows)
+JOB = struct.Struct("<Q")              # ALIVE: the writer's jobs, one after another
+ALIVE_JOBS = 512                       # jobs one ALIVE names at most (4 KiB: fits any provider's messages)
+WHY = ("closed", "cuda", "timeout", "invalid")  # staging.FAILURES' names (and "invalid": a message refused)
+
+log = logging.getLogger("fabriclab")
+
+
+class BadMessage(fi.FabriclabError):
+    """A control message that is malformed, or asks what its sender was not granted: it is dropped."""
+
+
+# ----------------------------------------------------------------------------------- reading
+
+
+def read(message: bytes) -> tuple[int, int, int, tuple]:
+    """(kind, sender's engine id, job, the kind's fields) of a control message, its shape checked."""
+    if len(message) < HEAD.size:
+        raise BadMessage(f"{len(message)} bytes, shorter than any control message ({HEAD.size})")
+    kind, sender, job = HEAD.unpack_from(message)
+    reader = _READERS.get(kind)
+    if reader is None:
+        raise BadMessage(f"unknown kind {kind}")
+    if not sender & 1 or sender >> 63:
+        raise BadMessage(f"sender {sender:#x} is not an engine id")
+    if (job == 0) != (kind == ALIVE):
+        raise BadMessage(f"job number {job} with kind {kind}")
+    return kind, sender, job, reader(message[HEAD.size:])
+
+
+def _request(body: bytes) -> tuple:
+    if len(body) < REQUEST_BODY.size:
+        raise BadMessage(f"REQUEST of {len(body)} bytes is truncated")
+    region_id, key, wanted, size = REQUEST_BODY.unpack_from(body)
+    if size == 0 or len(body) != REQUEST_BODY.size + size:
+        raise BadMessage(f"REQUEST says its address has {size} bytes, but {len(body) - REQUEST_BODY.size} follow")
+    if wanted == 0:
+        raise BadMessage("REQUEST for no lanes")
+    return region_id, key, wanted, body[REQUEST_BODY.size:]
+
+
+def _grant(body: bytes) -> tuple:
+    if not body or len(body) % LANE.size:
+        raise BadMessage(f"GRANT of {len(body)} bytes is not a list of lanes")
+    lanes = [int(lane) for lane in np.frombuffer(body, "<u2")]
+    if len(set(lanes)) != len(lanes):
+        raise BadMessage("GRANT names a lane twice")
+    return (lanes,)
+
+
+def _filled(body: bytes) -> tuple:
+    if len(body) < FILLED_BODY.size:
+        raise BadMessage(f"FILLED of {len(body)} bytes is truncated")
+    region_id, lane, imm, pages = FILLED_BODY.unpack_from(body)
+    if pages == 0:
+        raise BadMessage("FILLED names no page")
+    if len(body) != FILLED_BODY.size + pages * PAGE_ENTRY.size:
+        raise BadMessage(f"FILLED says it names {pages} pages, but {len(body) - FILLED_BODY.size} bytes of "
+                         f"{PAGE_ENTRY.size}-byte entries follow")
+    if imm > _native.MAX_IMM and imm != _native.NO_IMM:
+        raise BadMessage(f"FILLED's immediate data {imm:#x} is none a caller can give")
+    entries = np.frombuffer(body, PAGE_ENTRIES, pages, FILLED_BODY.size).copy()
+    if not entries["length"].all():
+        raise BadMessage("FILLED names a page of 0 bytes")
+    return region_id, lane, imm, entries
+
+
+def _lane(body: bytes) -> tuple:
+    if len(body) != LANE.size:
+        raise BadMessage(f"a lane's message of {len(body)} bytes, not {LANE.size}")
+    return LANE.unpack(body)
+
+
+def _refused(body: bytes) -> tuple:
+    if len(body) < REFUSED_BODY.size:
+        raise BadMessage(f"REFUSED of {len(body)} bytes is truncated")
+    lane, why = REFUSED_BODY.unpack_from(body)
+    if why >= len(WHY):
+        raise BadMessage(f"REFUSED for unknown reason {why}")
+    return lane, WHY[why], body[REFUSED_BODY.size:].decode(errors="replace")[:TEXT_CHARS]
+
+
+def _alive(body: bytes) -> tuple:
+    if not body or len(body) % JOB.size:
+        raise BadMessage(f"ALIVE of {len(body)} bytes is not a list of jobs")
+    return ([int(job) for job in np.frombuffer(body, "<u8")],)
+
+
+def alive(sender: int, jobs: list[int]) -> list[bytes]:
+    """The ALIVE messages naming ``jobs``."""
+    return [HEAD.pack(ALIVE, sender, 0) + np.asarray(jobs[first:first + ALIVE_JOBS], "<u8").tobytes()
+            for first in range(0, len(jobs), ALIVE_JOBS)]
+
+
+_READERS = {REQUEST: _request, GRANT: _grant, FILLED: _filled, RELEASE: _lane, COPIED: _lane, REFUSED: _refused,
+            ALIVE: _alive}
+
+
+class Rejected:
+    """Control messages dropped, counted per sender: the first from each is logged, then the 10th, 100th...
+    with the count, so a flood of them is a few lines. Senders the landing thread has no business with
+    share one count (a forger can claim any id)."""
+
+    SENDERS = 256  # senders counted apart at most
+
+    def __init__(self):
+        self.total = 0
+        self.by_sender: dict[str, int] = {}
+
+    def note(self, sender: str, problem: str, error: BaseException | None = None) -> None:
+        """Count a message dropped for ``problem`` (``error``: an exception whose traceback the log shows)."""
+        self.total += 1
+        if sender not in self.by_sender and len(self.by_sender) >= self.SENDERS:
+            sender = "other senders"
+        count = self.by_sender[sender] = self.by_sender.get(sender, 0) + 1
+        if str(count).rstrip("0") == "1":
+            log.warning("dropped a control message from %s: %s (%d so far from there; stats()['staging']"
+                        "['bad_control_messages'] counts them all, and this log again at each tenfold count)",
+                        sender, problem, count, exc_info=error)
+
+
+# ---------------------------------------------------------------------------------- the channel
+
+
+class Superseded(Exception):
+    """Raised in a thread whose send call outlived WEDGED_S, when the call returns after all: another
+    thread serves the channel now, this one must stop."""
+
+
+class ControlChannel:
+    """One endpoint for small messages, beside the engine's NICs (own fabric and domain, of the provider
+    and domain of the engine's first NIC, as fi_getinfo offers them), served by one thread at a time.
+
+    Messages wait per destination: one that takes nothing (a peer gone, whose provider keeps answering
+    EAGAIN) holds up no other, and is reported failed once it took nothing for ``unreachable_s``. A send
+    call that never returns (shm spins for ever on the lock of a peer killed in its progress) is seen by
+    ``wedged``: ``supersede`` then reports its destination failed and leaves the stuck thread to the
+    provider at idle priority, for another thread to serve the channel; the endpoint is never closed then
+    (the stuck call still uses it)."""
+
+    WEDGED_S = 2.0
+
+    def __init__(self, provider: str, domain: str | None, unreachable_s: float = 30.0):
+        self.stack = fi.EndpointStack(fi.getinfo(provider, domain)[0])
+        try:
+            self.message_bytes = min(MESSAGE_BYTES, self.stack.info.max_msg_size)
+            self.received = np.zeros(RECEIVES * self.message_bytes, np.uint8)
+            self.sending = np.zeros(SENDS * self.message_bytes, np.uint8)
+            self.received_mr = self.stack.register(self.received)
+            self.sending_mr = self.stack.register(self.sending)
+            for slot in range(RECEIVES):
+                self._repost(slot)
+        except BaseException:
+            self.stack.close()
+            raise
+        self.address = self.stack.ep.address().to_bytes()
+        self.unreachable_s = unreachable_s
+        self.free_sends = collections.deque(range(SENDS))
+        self.outbox: dict[int, collections.deque[bytes]] = {}
+        self.stuck: dict[int, float] = {}  # destination -> since when it takes nothing
+        self.known: dict[bytes, int] = {}
+        self.lock = threading.Lock()  # the send in progress, against supersede() from a watching thread
+        self.calling: tuple[int, int, float, int] | None = None  # (generation, destination, since, thread)
+        self.generation = 0
+        self.failed: list[int] = []  # destinations supersede() gave up on
+        self.stranded = 0            # threads left in a send call
+
+    @property
+    def can_send(self) -> bool:
+        """Whether messages wait for a destination that still takes them."""
+        return any(dest not in self.stuck for dest in self.outbox)
+
+    def peer(self, address: bytes) -> int:
+        """The fi_addr of a peer's control endpoint (inserted once)."""
+        dest = self.known.get(address)
+        if dest is None:
+            dest = self.known[address] = self.stack.av.insert(fi.Address.from_bytes(address))
+        return dest
+
+    def send(self, dest: int, message: bytes) -> None:
+        if len(message) > self.message_bytes:
+            raise fi.UsageError(f"control message of {len(message)} bytes exceeds {self.message_bytes}")
+        self.outbox.setdefault(dest, collections.deque()).append(message)
+
+    def forget(self, dest: int) -> None:
+        """Drop what waits to go to ``dest`` (a peer found gone)."""
+        self.outbox.pop(dest, None)
+        self.stuck.pop(dest, None)
+
+    def progress(self) -> tuple[list[bytes], list[int]]:
+        """Post what waits to be sent, read what arrived: (messages received, peers found unreachable)."""
+        with self.lock:
+            failed, self.failed = self.failed, []
+        failed += [dest for dest in list(self.outbox) if not self._post(dest)]
+        received = []
+        while len(received) < READS:
+            try:
+                completions = self.stack.cq.poll()
+            except fi.FabricError as exc:
+                token = exc.token
+                if token and token[0] == "send":
+                    self.free_sends.append(token[1])
+                    failed.append(token[2])
+                elif token and token[0] == "recv":
+                    self._repost(token[1])
+                continue
+            if not completions:
+                break
+            for c in completions:
+                if c.token and c.token[0] == "recv":
+                    offset = c.token[1] * self.message_bytes
+                    received.append(self.received[offset:offset + c.length].tobytes())
+                    self._repost(c.token[1])
+                elif c.token and c.token[0] == "send":
+                    self.free_sends.append(c.token[1])
+        for dest in failed:
+            self.forget(dest)
+        return received, failed
+
+    def _post(self, dest: int) -> bool:
+        """Post what waits for ``dest`` while send slots are free; False if ``dest`` cannot be reached."""
+        queue = self.outbox[dest]
+        generation = self.generation
+        while queue and self.free_sends:
+            message, slot = queue[0], self.free_sends[0]
+            offset = slot * self.message_bytes
+            self.sending[offset:offset + len(message)] = np.frombuffer(message, np.uint8)
+            self.calling = (generation, dest, time.monotonic(), threading.get_native_id())
+            try:
+                posted = self.stack.ep.try_post_send(self.sending_mr, offset, len(message), dest, ("send", slot, dest))
+            except fi.FabricError:
+                posted = None
+            with self.lock:
+                if generation != self.generation:
+                    raise Superseded()  # the slot stays with the call
+                self.calling = None
+            if not posted:
+                return posted is not None and (
+                    time.monotonic() - self.stuck.setdefault(dest, time.monotonic()) < self.unreachable_s)
+            self.stuck.pop(dest, None)
+            queue.popleft()
+            self.free_sends.popleft()
+        if not queue:
+            del self.outbox[dest]
+        return True
+
+    def wedged(self) -> bool:
+        """Whether a send call has been running for WEDGED_S (from any thread)."""
+        calling = self.calling
+        return calling is not None and calling[0] == self.generation and time.monotonic() - calling[2] > self.WEDGED_S
+
+    def supersede(self) -> bool:
+        """Give up on the wedged send call (from another thread than the one in it; False if it returned
+        meanwhile): what waits for its destination is dropped and the destination reported failed at the
+        next ``progress``, its thread is left at idle priority, and another thread may serve the channel;
+        the one in the call raises Superseded if the call ever returns."""
+        with self.lock:
+            if not self.wedged():
+                return False
+            _, dest, _, thread = self.calling
+            self.generation += 1
+            self.calling = None
+            self.forget(dest)  # its thread is stuck, the next one not started: no one else uses the outbox
+            self.failed.append(dest)
+            self.stranded += 1
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread, 19)  # a spin burns only idle time
+        except OSError:
+            pass  # not allowed here: it spins at its priority
+        log.warning("a control message to a peer has not left in %.0f s (the provider is stuck on the peer, which "
+                    "is taken for gone); another thread serves the control channel", self.WEDGED_S)
+        return True
+
+    def _repost(self, slot: int) -> None:
+        self.stack.ep.post_recv(self.received_mr, slot * self.message_bytes, self.message_bytes, ("recv", slot))
+
+    def close(self) -> None:
+        """Close the endpoint, unless a send call left stranded still runs on it: then it stays open, with
+        the memory it reads, for the life of the process."""
+        if self.stranded:
+            self.stack.fabric.keep_open()
+            _KEPT.append(self)
+            return
+        self.stack.close()
+
+
+_KEPT: list[ControlChannel] = []  # channels a stuck send call still uses: never closed, never collected

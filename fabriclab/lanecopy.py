@@ -1,0 +1,108 @@
+"""Copying a staged target's landed lanes into place (``fabriclab.landing``): the pages a FILLED names, each
+checked against the region and the lane, as copies; and the copiers that make them, with memmove (host
+memory, the tests' switch) or cuMemcpyHtoDAsync (GPU memory). The copiers add checked offsets only."""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import numpy as np
+
+from . import gpu, staging
+from .control import BadMessage
+
+
+def lane_copies(entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A lane's pages (packed one after another in the lane, FILLED's (destination, length) entries) as
+    copies (lane offset, destination, length), neighbouring pages joined (staging.copy_runs)."""
+    lengths = entries["length"].astype(np.int64)
+    in_lane = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    return staging.copy_runs(in_lane, entries["dst"].astype(np.int64), lengths)
+
+
+def checked_copies(entries: np.ndarray, region, lane_bytes: int) -> tuple:
+    """:func:`lane_copies` of FILLED's pages once each is checked, as the unsigned numbers they are on the
+    wire, to lie inside ``region`` (a landing.TargetRegion) and, packed, inside the lane: the copiers add
+    these offsets and nothing else. BadMessage names the first page that does not."""
+    dst, lengths = entries["dst"], entries["length"].astype(np.uint64)
+    end = np.uint64(region.length)
+    outside = (dst > end) | (lengths > end - np.minimum(dst, end))  # dst + length > end, never wrapping
+    if outside.any():
+        i = int(np.flatnonzero(outside)[0])
+        raise BadMessage(f"page {i}, bytes [{int(dst[i])}, {int(dst[i]) + int(lengths[i])}), is outside region "
+                         f"{region.region_id} ({region.length} bytes)")
+    if int(lengths.sum()) > lane_bytes:
+        raise BadMessage(f"its pages hold {int(lengths.sum())} bytes, more than a lane's {lane_bytes}")
+    return lane_copies(entries)
+
+
+class HostCopier:
+    """Copies landed pages with memmove: host-memory staged targets (a private switch the tests use to run
+    the whole protocol without a GPU; see Engine._register_staged_host)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def start(self, lane: int, source: int, destination: int, copies: tuple) -> None:
+        """Copy ``copies`` (checked_copies: offsets inside the lane and the region) from the lane at
+        ``source`` to the region at ``destination``."""
+        started = time.perf_counter()
+        for src, dst, length in zip(*copies):
+            ctypes.memmove(destination + int(dst), source + int(src), int(length))
+        self.seconds += time.perf_counter() - started
+
+    def finished(self, lane: int) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class CudaCopier:
+    """Copies landed pages host → GPU with cuMemcpyHtoDAsync, one CUDA stream per lane modulo
+    staging.COPY_STREAMS, an event per lane saying when its copies are done."""
+
+    def __init__(self, lanes: int):
+        d = self.driver = gpu.require_cuda()
+        self.context = gpu._ok(d.cuDevicePrimaryCtxRetain(gpu._ok(d.cuDeviceGet(0), "cuDeviceGet")),
+                               "cuDevicePrimaryCtxRetain")
+        gpu._ok(d.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self.streams = [gpu._ok(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(staging.COPY_STREAMS)]
+        self.started = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]
+        self.copied = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]
+        self.seconds = 0.0
+
+    def start(self, lane: int, source: int, destination: int, copies: tuple) -> None:
+        """As HostCopier.start, on the lane's stream: ``copies`` are checked_copies' offsets, nothing else."""
+        d = self.driver
+        d.cuCtxSetCurrent(self.context)
+        stream = self.streams[lane % len(self.streams)]
+        gpu._ok(d.cuEventRecord(self.started[lane], stream), "cuEventRecord")
+        try:
+            for src, dst, length in zip(*copies):
+                gpu._ok(d.cuMemcpyHtoDAsync(destination + int(dst), source + int(src), int(length), stream),
+                        "cuMemcpyHtoDAsync")
+            gpu._ok(d.cuEventRecord(self.copied[lane], stream), "cuEventRecord")
+        except gpu.CudaError:
+            d.cuStreamSynchronize(stream)  # nothing of ours may still read the lane
+            raise
+
+    def finished(self, lane: int) -> bool:
+        """Whether lane ``lane``'s copies are done; CudaError if they failed."""
+        d = self.driver
+        err, = d.cuEventQuery(self.copied[lane])
+        if int(err) == int(d.CUresult.CUDA_ERROR_NOT_READY):
+            return False
+        gpu._ok((err,), "copying a landing lane to the GPU")
+        err, ms = d.cuEventElapsedTime(self.started[lane], self.copied[lane])
+        if int(err) == 0:
+            self.seconds += ms / 1000.0
+        return True
+
+    def close(self) -> None:
+        d = self.driver
+        for stream in self.streams:
+            d.cuStreamSynchronize(stream)
+            d.cuStreamDestroy(stream)
+        for event in self.started + self.copied:
+            d.cuEventDestroy(event)

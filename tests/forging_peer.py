@@ -1,0 +1,77 @@
+"""A forging peer for the staged-target tests: it speaks the landing control protocol by hand, through a
+real control endpoint of its own (fabriclab.control.ControlChannel), to a staged target's control address.
+
+    python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE garbage
+    python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE spoof WRITER_ID REGION_ID IMM DST
+ADDRESS_HEX is the target's control address (a staged descriptor's LandingRoute.address) as hex; RATE the
+messages sent a second. garbage: malformed messages of every kind (1 byte, truncated, unknown kinds, wrong
+lengths, fields out of range, a REQUEST with a guessed key), over and over. spoof: FILLED claiming to be
+writer WRITER_ID, for each of its first 64 jobs and each lane, saying the lane holds one page for byte DST
+of region REGION_ID under IMM. Prints "ready" once its endpoint is open, then sends until killed."""
+import sys
+import time
+
+import numpy as np
+
+from fabriclab import control
+
+H, FILLED, REQUEST = control.HEAD, control.FILLED_BODY, control.REQUEST_BODY
+provider, domain, address, rate, mode = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), float(sys.argv[4]), \
+    sys.argv[5]
+ME = 0x5EED
+
+
+def garbage(rng, mine):
+    """One cycle of malformed messages, each of another shape (``mine``: the forger's own address)."""
+    me, job = ME, int(rng.integers(1, 1 << 62))
+    entry = control.PAGE_ENTRY.pack(0, 4096)
+    return [
+        b"\x03",
+        H.pack(control.FILLED, me, job)[:9],
+        H.pack(99, me, job) + b"\x00" * 8,
+        H.pack(0, me, job),
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 1, 500) + b"\x01" * 10,
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 0, 0),
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 1, 16) + rng.bytes(16),
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(int(rng.integers(1, 4)), 99, 1, len(mine)) + mine,
+        H.pack(control.FILLED, me, job) + FILLED.pack(1, 0, 5, 1000) + entry,
+        H.pack(control.FILLED, me, job) + FILLED.pack(1, 0, 5, 0),
+        H.pack(control.FILLED, me, job) + FILLED.pack(1, 0, 5, 1) + entry,
+        H.pack(control.FILLED, me, job) + FILLED.pack(1, 60000, 5, 1) + entry,
+        H.pack(control.RELEASE, me, job) + b"\x00",
+        H.pack(control.RELEASE, me, job) + control.LANE.pack(3),
+        H.pack(control.GRANT, me, job) + b"\x00\x00\x01",
+        H.pack(control.GRANT, me, job) + b"",
+        H.pack(control.COPIED, me, job),
+        H.pack(control.REFUSED, me, job) + control.REFUSED_BODY.pack(0, 200) + b"\xff\xfe",
+        H.pack(control.REFUSED, me, job) + b"\x01",
+        H.pack(control.ALIVE, me, 0) + b"\x01\x02\x03",
+        H.pack(control.ALIVE, me, job) + control.JOB.pack(job),
+        H.pack(int(rng.integers(0, 256)), int(rng.integers(0, 1 << 63)), job) + rng.bytes(int(rng.integers(0, 64))),
+        rng.bytes(int(rng.integers(1, 40))),
+    ]
+
+
+def spoofed(writer, region, imm, dst):
+    """FILLED as writer ``writer`` would send it for its jobs 1-64 (the numbers a writer's first jobs had),
+    each lane of a pool of up to 16, redirecting the lane's first page to byte ``dst``."""
+    body = control.PAGE_ENTRY.pack(dst, 65536)
+    return [H.pack(control.FILLED, writer, job) + FILLED.pack(region, lane, imm, 1) + body
+            for job in range(1, 65) for lane in range(16)]
+
+
+channel = control.ControlChannel(provider, None if domain == "-" else domain)
+target = channel.peer(address)
+rng = np.random.default_rng(7)
+messages = garbage(rng, channel.address) if mode == "garbage" else spoofed(*(int(x) for x in sys.argv[6:10]))
+print("ready", flush=True)
+sent, started = 0, time.monotonic()
+while True:
+    if mode == "garbage" and sent % len(messages) == 0:
+        messages = garbage(rng, channel.address)
+    channel.send(target, messages[sent % len(messages)])
+    sent += 1
+    channel.progress()
+    while time.monotonic() - started < sent / rate:
+        channel.progress()
+        time.sleep(0.0005)

@@ -1,0 +1,197 @@
+"""Staged targets against hostile writers (issue 21): every field of every control message is checked against
+what its sender was granted, a malformed message is dropped on its own (logged once per sender, counted), and
+a writer that is gone never starves the others. The forged messages go through real control endpoints: a
+writer engine whose FILLED messages are rewritten on their way out (``tamper_filled``), and
+tests/forging_peer.py, a process speaking the protocol by hand. Staged targets here are in host memory
+(Engine._register_staged_host), so they run anywhere."""
+import logging
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fabriclab import TransferError, bootstrap, control
+from fabriclab.engine import RemoteRegion, _seal, _unseal
+from test_api import PeerProcess
+from test_staging import PAGE, WRITER, staged_target, writer_engine
+
+FORGER = os.path.join(os.path.dirname(__file__), "forging_peer.py")
+
+
+def tamper_filled(engine, rewrite):
+    """Rewrite every FILLED ``engine`` sends as a writer: ``rewrite(region_id, lane, imm, entries)`` gives
+    them back changed. All else stays real: the engine's writes, its control endpoint, the target's answers."""
+    lander = engine._service.start_landing()
+    send = lander._to_target
+
+    def forged(job, kind, body):
+        if kind == control.FILLED:
+            region_id, lane, imm, pages = control.FILLED_BODY.unpack_from(body)
+            entries = np.frombuffer(body, control.PAGE_ENTRIES, pages, control.FILLED_BODY.size).copy()
+            region_id, lane, imm, entries = rewrite(region_id, lane, imm, entries)
+            body = control.FILLED_BODY.pack(region_id, lane, imm, entries.size) + entries.tobytes()
+        send(job, kind, body)
+
+    lander._to_target = forged
+
+
+def destination(dst):
+    """A rewrite sending a lane's first page to byte ``dst`` (as the uint64 on the wire)."""
+    def rewrite(region_id, lane, imm, entries):
+        entries["dst"][0] = dst
+        return region_id, lane, imm, entries
+    return rewrite
+
+
+def honest_write(writer, descriptor, address, value, pages, imm, timeout=20):
+    peer = writer.connect(address)
+    source = writer.register(np.full(len(pages) * PAGE, value, np.uint8))
+    return peer.write_pages(source, np.arange(len(pages)), descriptor, pages, PAGE, imm=imm).result(timeout)
+
+
+def test_a_filled_destination_that_wraps_below_the_region_writes_nothing_and_fails_the_transfer(fabric):
+    """FILLED's destination 2**64 - 65536 was -65536 as int64: the page landed in the 64 KiB before the
+    region and the transfer said OK. Now nothing is copied, the canary holds, the writer's transfer fails."""
+    with staged_target(fabric) as target, writer_engine(fabric) as writer, writer_engine(fabric) as honest:
+        memory = np.zeros(9 * PAGE, np.uint8)
+        memory[:PAGE] = 0xAB  # the canary: the page before the region
+        region = target._register_staged_host(memory[PAGE:])
+        descriptor = region.descriptor()
+        tamper_filled(writer, destination(2 ** 64 - PAGE))
+        with pytest.raises(TransferError, match="outside region"):
+            honest_write(writer, descriptor, target.address, 9, [0, 1], imm=3)
+        assert np.all(memory[:PAGE] == 0xAB) and not np.any(memory[PAGE:])
+        assert honest_write(honest, descriptor, target.address, 5, [2, 3], imm=4).pages == 2  # serves on
+        assert target.expect(4, 2).result(10) == 2 and np.all(memory[3 * PAGE:5 * PAGE] == 5)
+        assert target.stats()["staging"]["bad_control_messages"] >= 1
+
+
+@pytest.mark.parametrize("dst", [2 ** 64 - (1 << 40), 1 << 40, 2 ** 63], ids=["far-below", "far-beyond", "2**63"])
+def test_a_filled_destination_far_outside_the_region_never_crashes_the_target(fabric, dst):
+    """Far destinations crashed the target process in its copier (segmentation fault)."""
+    target = PeerProcess(fabric, 16 * PAGE, "--staged-host")
+    try:
+        with writer_engine(fabric) as writer, writer_engine(fabric) as honest:
+            tamper_filled(writer, destination(dst))
+            with pytest.raises(TransferError, match="outside region"):
+                honest_write(writer, target.descriptor, target.address, 9, [0], imm=3)
+            assert honest_write(honest, target.descriptor, target.address, 5, [4], imm=4).pages == 1
+            assert target.ask("expect 4 1 10").startswith("landed 1 ")
+            assert target.ask("count 9") == "0" and target.ask("count 5") == str(PAGE)
+    finally:
+        target.kill()
+
+
+def another_regions_descriptor(descriptor, region_id):
+    """``descriptor`` (a staged target's) with another region id, sealed again: what a writer holding one
+    region's descriptor can make of it for a region it was never given."""
+    body = bytearray(_unseal(descriptor, descriptor[:4], "region descriptor"))
+    body[12:16] = region_id.to_bytes(4, "little")  # after the magic and the engine id
+    return _seal(bytes(body))
+
+
+def test_a_writer_lands_only_in_the_region_its_descriptor_names(fabric):
+    """FILLED naming another staged region id landed there; so did a descriptor of another region made
+    from one's own. Neither lands now: the lanes are granted for one region, and asking for lanes takes
+    the region's key, which only its descriptor holds."""
+    with staged_target(fabric) as target, writer_engine(fabric) as writer, writer_engine(fabric) as forger:
+        given, other = np.zeros(4 * PAGE, np.uint8), np.zeros(4 * PAGE, np.uint8)
+        descriptor = target._register_staged_host(given).descriptor()
+        secret = target._register_staged_host(other)
+        secret.descriptor()  # it is served: its descriptor went to someone else
+        tamper_filled(forger, lambda region_id, lane, imm, entries: (secret.id, lane, imm, entries))
+        with pytest.raises(TransferError):
+            honest_write(forger, descriptor, target.address, 9, [0, 1], imm=3)
+        forged = another_regions_descriptor(descriptor, secret.id)
+        assert RemoteRegion.parse(forged).region_id == secret.id
+        with pytest.raises(TransferError):
+            honest_write(writer, forged, target.address, 7, [0, 1], imm=3, timeout=5)
+        assert not np.any(other) and not np.any(given)
+        assert honest_write(writer, descriptor, target.address, 7, [0, 1], imm=5).pages == 2
+        assert target.expect(5, 2).result(10) == 2 and np.all(given[:2 * PAGE] == 7)
+
+
+def forging_peer(fabric, descriptor, rate, *mode):
+    """tests/forging_peer.py sending to the staged target of ``descriptor``, once its endpoint is open."""
+    address = RemoteRegion.parse(descriptor).landing.address
+    forger = subprocess.Popen([sys.executable, FORGER, fabric[0], fabric[1] or "-", address.hex(), str(rate), *mode],
+                              stdout=subprocess.PIPE, text=True)
+    assert forger.stdout.readline().strip() == "ready"
+    return forger
+
+
+def stop(process):
+    process.kill()
+    process.wait(10)
+
+
+def test_filled_for_a_lane_leased_to_another_writer_is_never_taken(fabric):
+    """A forger claiming to be an honest writer (its engine id is in every descriptor it hands out) sends
+    FILLED for that writer's first jobs and every lane, pointing their pages elsewhere. Job numbers were
+    1, 2, 3...: the forged FILLED took the honest lanes' pages, and the honest transfers said OK. Now a lane
+    is taken only from the writer it is leased to: every honest page lands where it was written."""
+    with staged_target(fabric) as target, writer_engine(fabric) as writer:
+        landed = np.zeros(16 * PAGE, np.uint8)
+        region = target._register_staged_host(landed)
+        descriptor = region.descriptor()
+        forger = forging_peer(fabric, descriptor, 3000, "spoof", str(writer.id), str(region.id), "6", str(12 * PAGE))
+        try:
+            peer = writer.connect(target.address)
+            data = np.random.default_rng(3).integers(1, 256, 8 * PAGE, dtype=np.uint8)
+            source = writer.register(data)
+            for _ in range(40):
+                landed[:8 * PAGE] = 0
+                assert peer.write_pages(source, np.arange(8), descriptor, np.arange(8), PAGE,
+                                        imm=6).result(20).pages == 8
+                assert target.expect(6, 8).result(10) == 8
+                assert np.array_equal(landed[:8 * PAGE], data)
+            assert not np.any(landed[8 * PAGE:])
+        finally:
+            stop(forger)
+
+
+def test_garbage_at_a_high_rate_never_fails_an_honest_transfer(fabric, caplog):
+    """Malformed control messages of every shape, ~1000 a second, while 200 honest transfers land: each
+    message is handled on its own (one bad message dropped the honest ones read with it), and the log says
+    so once per sender, not once per message."""
+    caplog.set_level(logging.INFO, logger="fabriclab")
+    with staged_target(fabric) as target, writer_engine(fabric) as writer:
+        landed = np.zeros(16 * PAGE, np.uint8)
+        descriptor = target._register_staged_host(landed).descriptor()
+        forger = forging_peer(fabric, descriptor, 1000, "garbage")
+        try:
+            peer = writer.connect(target.address)
+            source = writer.register(np.full(PAGE, 3, np.uint8))
+            for i in range(200):
+                assert peer.write_pages(source, [0], descriptor, [i % 16], PAGE, imm=8).result(10).pages == 1
+            assert target.expect(8, 200).result(10) == 200
+        finally:
+            stop(forger)
+        bad = target.stats()["staging"]["bad_control_messages"]
+    lines = [r for r in caplog.records if r.name.startswith("fabriclab")]
+    assert bad > 100 and len(lines) <= 20, [r.getMessage() for r in lines[:5]]
+
+
+def test_a_killed_writer_never_starves_the_next_one(fabric):
+    """Writer A streams transfers of 100 lanes (it asks for them all, takes each lane that frees) and is
+    SIGKILLed: its request stayed first in the queue and took every lane its expired leases gave back, so
+    writer B's one page waited past its deadline. Now a writer that stops speaking loses its requests and
+    lanes within seconds, far inside the target's lease (30 s here), and B lands. The target is a process of
+    its own: on shm, a send to A can spin for ever in the provider (A died holding its region's lock), and
+    that thread must be left behind, as must the process it is in."""
+    target = PeerProcess(fabric, 200 * PAGE, "--staged-host", "--small-pool")
+    try:
+        packed = bootstrap.pack(target.address, target.descriptor).hex()
+        greedy = subprocess.Popen([sys.executable, WRITER, fabric[0], fabric[1] or "-", packed, "100000", "4", "200"],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert target.ask("expect 4 2 30").startswith("landed 2 ")  # its first lane landed; it holds the rest
+        finally:
+            stop(greedy)
+        with writer_engine(fabric, timeout=10) as survivor:
+            assert honest_write(survivor, target.descriptor, target.address, 5, [199], imm=5, timeout=10).pages == 1
+        assert target.ask("expect 5 1 10").startswith("landed 1 ") and target.ask("count 5") == str(PAGE)
+    finally:
+        target.kill()
