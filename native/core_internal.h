@@ -30,11 +30,13 @@ typedef struct op_slot {
 #define DONE_CAPACITY(e) (2 * (uint64_t)(e)->transfer_capacity)
 
 /* Service mode: what fl_service_submit hands one worker thread. Producers take the lock; the worker
- * only reads head/tail atomically. */
+ * only reads head/tail atomically. `resting`: 1 while the worker naps (service.c, rest_worker), the word
+ * it sleeps on; whoever gives it something to do and sees 1 wakes it. */
 typedef struct inbox {
     pthread_mutex_t lock;
     fl_op *ops;
     _Atomic uint32_t head, tail;
+    _Atomic uint32_t resting;
 } inbox;
 
 struct group;
@@ -132,6 +134,7 @@ typedef struct thread_ctx {
     size_t spill_len, spill_cap;
     uint32_t revive_seen; /* service: the e->revive_epoch this worker's dead paths belong to */
     uint32_t reroute_rr;
+    int incoming;         /* service: a peer's write landed on this worker's NICs since it last looked */
 } thread_ctx;
 
 static inline int stopping(const fl_engine *e) { return __atomic_load_n(&e->stop, __ATOMIC_RELAXED); }

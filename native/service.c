@@ -5,13 +5,62 @@
 #include "service.h"
 
 #include <errno.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
 
 #define INBOX_CAPACITY 65536u
+
+/* Resting. A worker with nothing of its own to do (empty inbox; no write queued, held or in flight) polls
+ * on for SPIN_NS, or SPIN_AFTER_ARRIVAL_NS after a peer's write last landed on its NICs, and then rests:
+ * it sleeps on its inbox's `resting` word and polls its NICs once per nap. Several engines on one host
+ * (many writer processes into one target) otherwise keep every idle worker of every engine on a core, and
+ * a target whose provider needs its polls (shm) starves among them. A caller that hands a resting worker
+ * writes wakes it at once (wake_worker: one look at the word while the worker is awake). Nothing wakes it
+ * for a peer's incoming write — a software provider moves that only when the target polls — so a nap
+ * lasts an eighth of the quiet so far, within [REST_MIN_NS, REST_MAX_NS]: a write after a quiet gap is
+ * noticed at most about an eighth of that gap late and never more than REST_MAX_NS late, and a worker
+ * quiet for long costs one poll per REST_MAX_NS. */
+#define SPIN_NS 200000ull
+#define SPIN_AFTER_ARRIVAL_NS 2000000ull
+#define REST_MIN_NS 20000ull
+#define REST_MAX_NS 1000000ull
+#define REST_TIMER_SLACK_NS 5000 /* naps of REST_MIN_NS would last 70 us with the default 50 us slack */
+
+static void futex_wait_ns(_Atomic uint32_t *word, uint32_t value, uint64_t ns) {
+    struct timespec nap = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
+    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, &nap, NULL, 0);
+}
+
+/* Whoever just gave worker w something to do (writes in its inbox, a park request, the stop): wake it if
+ * it rests. The fence pairs with rest_worker's: either the worker sees the new work before it sleeps, or
+ * this sees `resting` set. */
+static void wake_worker(engine_state *st, int w) {
+    inbox *box = &st->inboxes[w];
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(&box->resting, memory_order_relaxed) && atomic_exchange(&box->resting, 0))
+        syscall(SYS_futex, &box->resting, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+/* One nap of `ns`, unless something to do came in meanwhile. */
+static void rest_worker(thread_ctx *t, uint64_t ns) {
+    engine_state *st = t->st;
+    inbox *box = &st->inboxes[t->id];
+    atomic_store(&box->resting, 1);
+    atomic_thread_fence(memory_order_seq_cst);
+    int work = atomic_load_explicit(&box->tail, memory_order_relaxed) !=
+                   atomic_load_explicit(&box->head, memory_order_relaxed) ||
+               atomic_load_explicit(&st->park_request[t->id], memory_order_relaxed) || stopping(t->e) ||
+               __atomic_load_n(&t->e->revive_epoch, __ATOMIC_RELAXED) != t->revive_seen;
+    if (!work) futex_wait_ns(&box->resting, 1, ns);
+    atomic_store_explicit(&box->resting, 0, memory_order_relaxed);
+}
 
 /* 0: the path is alive; 1: marked dead after an error (or the whole NIC is down); 2: after a stall. */
 int path_dead(const fl_engine *e, const nic_state *ns, int nic_index, fi_addr_t dest) {
@@ -31,6 +80,7 @@ static int push_inbox(engine_state *st, int worker, const fl_op *op) {
         atomic_store_explicit(&box->tail, tail + 1, memory_order_release);
     }
     pthread_mutex_unlock(&box->lock);
+    if (room) wake_worker(st, worker);
     return room;
 }
 
@@ -197,6 +247,7 @@ static int park_worker(fl_engine *e, engine_state *st, int nic, double timeout_s
     uint64_t until = fl_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     struct timespec pause = {0, 20000};
     atomic_store_explicit(&st->park_request[w], 1, memory_order_release);
+    wake_worker(st, w);
     while (!atomic_load_explicit(&st->parked[w], memory_order_acquire)) {
         if (stopping(e) || fl_now_ns() > until) {
             atomic_store_explicit(&st->park_request[w], 0, memory_order_release);
@@ -309,19 +360,40 @@ static int drain_inbox(thread_ctx *t, uint32_t budget) {
     return (int)moved;
 }
 
+/* One pass over the worker's inbox and NICs: 1 when it moved anything, 0 when it found nothing, -1 when the
+ * engine failed. *outstanding: writes of its own still queued, held or in flight. */
+static int service_pass(thread_ctx *t, uint32_t *outstanding) {
+    fl_engine *e = t->e;
+    const group *mine = t->groups; /* the NICs this worker owns (fl_nic.group == its id) */
+    int busy = drain_inbox(t, (uint32_t)t->cfg->batch * 64);
+    *outstanding = 0;
+    for (int i = 0; i < mine->nnics; i++) {
+        int k = mine->nics[i];
+        int got = poll_nic(t, k);
+        if (got < 0) return -1;
+        busy |= got;
+        if (t->st->nics[k].held_len) release_held(t, k);
+        /* lazy posting: the queue was just drained, so this is when there is room */
+        if (progress_pending(t, k) < 0) return -1;
+        *outstanding += e->nics[k].in_flight + (e->nics[k].ring_tail - e->nics[k].ring_head) +
+                        t->st->nics[k].held_len;
+    }
+    return busy != 0;
+}
+
 static void service_loop(thread_ctx *t) {
     fl_engine *e = t->e;
     const fl_config *cfg = t->cfg;
-    const group *mine = t->groups; /* the NICs this worker owns (fl_nic.group == its id) */
+    const group *mine = t->groups;
     if (cfg->pin) {
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(cfg->cores[t->id], &set);
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
-    uint32_t idle = 0;
-    int resting = 0;
-    uint64_t quiet_since = fl_now_ns();
+    prctl(PR_SET_TIMERSLACK, REST_TIMER_SLACK_NS, 0, 0, 0);
+    uint32_t idle = 0, waiting = 0;
+    uint64_t quiet_since = fl_now_ns(), last_arrival = 0;
     t->last_progress_ns = quiet_since;
     uint64_t passes = 0;
     t->revive_seen = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
@@ -333,35 +405,31 @@ static void service_loop(thread_ctx *t) {
             for (int i = 0; i < mine->nnics; i++)
                 if (link_stalled(t, mine->nics[i], now)) service_paths_down(t, mine->nics[i]);
         }
-        int busy = drain_inbox(t, (uint32_t)cfg->batch * 64);
-        uint32_t outstanding = 0;
-        for (int i = 0; i < mine->nnics; i++) {
-            int k = mine->nics[i];
-            int got = poll_nic(t, k);
-            if (got < 0) return;
-            busy |= got;
-            if (t->st->nics[k].held_len) release_held(t, k);
-            /* lazy posting: the queue was just drained, so this is when there is room */
-            if (progress_pending(t, k) < 0) return;
-            outstanding += e->nics[k].in_flight + (e->nics[k].ring_tail - e->nics[k].ring_head) +
-                           t->st->nics[k].held_len;
-        }
-        if (busy || outstanding) {
+        uint32_t outstanding;
+        int busy = service_pass(t, &outstanding);
+        if (busy < 0) return;
+        if (busy) {
+            idle = waiting = 0;
+        } else if (outstanding) {
+            /* waiting for completions: a peer on this host may need this core to make them (shm) */
             idle = 0;
-            resting = 0;
-        } else if (resting) {
-            /* Quiet for over 10 ms (every write carries immediate data, so a target sees its peers'
-             * traffic): keep polling — software providers need it for incoming writes — every 20 us. */
-            struct timespec pause = {0, 20000};
-            nanosleep(&pause, NULL);
-        } else {
-            /* Nothing to do for now: let a thread that waits for this core (the caller's, a staging
-             * thread) run at once rather than at the scheduler's next tick; costs nothing when none waits. */
-            if ((++idle & 63) == 0) sched_yield();
-            if ((idle & 4095) == 0) {
-                uint64_t now = fl_now_ns();
-                if (idle == 4096) quiet_since = now;
-                resting = now - quiet_since > 10000000ull;
+            if ((++waiting & 63) == 0) sched_yield();
+        } else if ((++idle & 63) == 0) {
+            /* Nothing to do for now: let a thread that waits for this core (the caller's, a staging thread,
+             * a peer's worker) run at once rather than at the scheduler's next tick; rest once quiet. */
+            uint64_t now = fl_now_ns();
+            if (idle == 64) { /* quiet began some 64 passes ago */
+                quiet_since = now;
+                if (t->incoming) last_arrival = now;
+                t->incoming = 0;
+            }
+            uint64_t quiet = now - quiet_since;
+            if (quiet >= SPIN_NS && now - last_arrival >= SPIN_AFTER_ARRIVAL_NS) {
+                uint64_t nap = quiet / 8;
+                rest_worker(t, nap < REST_MIN_NS ? REST_MIN_NS : nap > REST_MAX_NS ? REST_MAX_NS : nap);
+                idle = 127; /* after the nap, one pass and then the next nap (or back to work) */
+            } else {
+                sched_yield();
             }
         }
     }
@@ -499,8 +567,10 @@ static uint64_t submit_writes(fl_engine *e, const fl_request *r, uint64_t start)
         if (++turn == span) turn = 0;
     }
     for (int w = threads - 1; w >= 0; w--) {
+        int given = tail[w] != atomic_load_explicit(&st->inboxes[w].tail, memory_order_relaxed);
         atomic_store_explicit(&st->inboxes[w].tail, tail[w], memory_order_release);
         pthread_mutex_unlock(&st->inboxes[w].lock);
+        if (given) wake_worker(st, w);
     }
     return i - start;
 }
@@ -558,6 +628,7 @@ int fl_service_stop(fl_engine *e, double timeout_s) {
     __atomic_store_n(&e->stop, 1, __ATOMIC_SEQ_CST);
     atomic_store(&st->closing, 1);
     notify(e, FL_NO_TRANSFER); /* a caller waiting in fl_service_wait leaves now */
+    for (int w = 0; w < threads; w++) wake_worker(st, w);
     uint64_t until = fl_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     struct timespec pause = {0, 100000};
     while (!service_quiet(st, threads) && fl_now_ns() < until) nanosleep(&pause, NULL);
