@@ -88,6 +88,7 @@ typedef struct engine_state {
      * finished, and when the last of its abandoned writes is reported; it is reused only after Python
      * took it out), so DONE_CAPACITY entries always suffice */
     _Atomic int park_request[FL_MAX_THREADS], parked[FL_MAX_THREADS]; /* fl_worker_park */
+    _Atomic uint64_t last_arrival_ns; /* when a peer's write last landed on any worker's NICs (service.c) */
     /* Stopping (fl_service_stop). A worker clears its worker_running flag as the last thing it does; one
      * still set at the stop's deadline is stuck inside a provider call (shm spins for ever on a lock that
      * its killed peer held): it is detached, and everything it may touch stays allocated (stranded_threads:
@@ -194,4 +195,20 @@ FL_INTERNAL void reroute_dead_paths(thread_ctx *t, int nic_index, int stalled);
 FL_INTERNAL void service_paths_down(thread_ctx *t, int nic_index);
 /* after a stop that left threads behind: free the service once they are gone (0), else how many remain */
 FL_INTERNAL int fl_service_release_stranded(fl_engine *e);
+
+/* ------------------------------------------ defined in resting.c: idle service workers nap (see there) */
+
+typedef struct rest_state {
+    uint32_t idle, waiting; /* passes in a row with nothing to do, or only completions to wait for */
+    uint64_t quiet_since;   /* when the worker last had anything of its own to do */
+} rest_state;
+struct fl_request;
+FL_INTERNAL void rest_begin(thread_ctx *t, rest_state *r);
+/* after each pass of the worker's loop: yield, spin on, or nap */
+FL_INTERNAL void rest_after_pass(thread_ctx *t, rest_state *r, int busy, uint32_t outstanding);
+/* worker w was given something to do (writes in its inbox, a park request, the stop): wake it if it rests */
+FL_INTERNAL void wake_worker(engine_state *st, int w);
+/* where a transfer of fewer writes than NICs starts: the first NIC, from `turn` on in the request's order,
+ * whose worker is awake; `turn` when all rest (any NIC reaches the peer: the request routes each) */
+FL_INTERNAL uint32_t awake_turn(const fl_engine *e, const struct fl_request *r, uint32_t turn, uint32_t span);
 #endif

@@ -5,62 +5,13 @@
 #include "service.h"
 
 #include <errno.h>
-#include <linux/futex.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/syscall.h>
 #include <time.h>
-#include <unistd.h>
 
 #define INBOX_CAPACITY 65536u
-
-/* Resting. A worker with nothing of its own to do (empty inbox; no write queued, held or in flight) polls
- * on for SPIN_NS, or SPIN_AFTER_ARRIVAL_NS after a peer's write last landed on its NICs, and then rests:
- * it sleeps on its inbox's `resting` word and polls its NICs once per nap. Several engines on one host
- * (many writer processes into one target) otherwise keep every idle worker of every engine on a core, and
- * a target whose provider needs its polls (shm) starves among them. A caller that hands a resting worker
- * writes wakes it at once (wake_worker: one look at the word while the worker is awake). Nothing wakes it
- * for a peer's incoming write — a software provider moves that only when the target polls — so a nap
- * lasts an eighth of the quiet so far, within [REST_MIN_NS, REST_MAX_NS]: a write after a quiet gap is
- * noticed at most about an eighth of that gap late and never more than REST_MAX_NS late, and a worker
- * quiet for long costs one poll per REST_MAX_NS. */
-#define SPIN_NS 200000ull
-#define SPIN_AFTER_ARRIVAL_NS 2000000ull
-#define REST_MIN_NS 20000ull
-#define REST_MAX_NS 1000000ull
-#define REST_TIMER_SLACK_NS 5000 /* naps of REST_MIN_NS would last 70 us with the default 50 us slack */
-
-static void futex_wait_ns(_Atomic uint32_t *word, uint32_t value, uint64_t ns) {
-    struct timespec nap = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
-    syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, value, &nap, NULL, 0);
-}
-
-/* Whoever just gave worker w something to do (writes in its inbox, a park request, the stop): wake it if
- * it rests. The fence pairs with rest_worker's: either the worker sees the new work before it sleeps, or
- * this sees `resting` set. */
-static void wake_worker(engine_state *st, int w) {
-    inbox *box = &st->inboxes[w];
-    atomic_thread_fence(memory_order_seq_cst);
-    if (atomic_load_explicit(&box->resting, memory_order_relaxed) && atomic_exchange(&box->resting, 0))
-        syscall(SYS_futex, &box->resting, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-}
-
-/* One nap of `ns`, unless something to do came in meanwhile. */
-static void rest_worker(thread_ctx *t, uint64_t ns) {
-    engine_state *st = t->st;
-    inbox *box = &st->inboxes[t->id];
-    atomic_store(&box->resting, 1);
-    atomic_thread_fence(memory_order_seq_cst);
-    int work = atomic_load_explicit(&box->tail, memory_order_relaxed) !=
-                   atomic_load_explicit(&box->head, memory_order_relaxed) ||
-               atomic_load_explicit(&st->park_request[t->id], memory_order_relaxed) || stopping(t->e) ||
-               __atomic_load_n(&t->e->revive_epoch, __ATOMIC_RELAXED) != t->revive_seen;
-    if (!work) futex_wait_ns(&box->resting, 1, ns);
-    atomic_store_explicit(&box->resting, 0, memory_order_relaxed);
-}
 
 /* 0: the path is alive; 1: marked dead after an error (or the whole NIC is down); 2: after a stall. */
 int path_dead(const fl_engine *e, const nic_state *ns, int nic_index, fi_addr_t dest) {
@@ -391,10 +342,9 @@ static void service_loop(thread_ctx *t) {
         CPU_SET(cfg->cores[t->id], &set);
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
-    prctl(PR_SET_TIMERSLACK, REST_TIMER_SLACK_NS, 0, 0, 0);
-    uint32_t idle = 0, waiting = 0;
-    uint64_t quiet_since = fl_now_ns(), last_arrival = 0;
-    t->last_progress_ns = quiet_since;
+    rest_state rest;
+    rest_begin(t, &rest);
+    t->last_progress_ns = fl_now_ns();
     uint64_t passes = 0;
     t->revive_seen = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
     while (!stopping(e)) {
@@ -408,30 +358,7 @@ static void service_loop(thread_ctx *t) {
         uint32_t outstanding;
         int busy = service_pass(t, &outstanding);
         if (busy < 0) return;
-        if (busy) {
-            idle = waiting = 0;
-        } else if (outstanding) {
-            /* waiting for completions: a peer on this host may need this core to make them (shm) */
-            idle = 0;
-            if ((++waiting & 63) == 0) sched_yield();
-        } else if ((++idle & 63) == 0) {
-            /* Nothing to do for now: let a thread that waits for this core (the caller's, a staging thread,
-             * a peer's worker) run at once rather than at the scheduler's next tick; rest once quiet. */
-            uint64_t now = fl_now_ns();
-            if (idle == 64) { /* quiet began some 64 passes ago */
-                quiet_since = now;
-                if (t->incoming) last_arrival = now;
-                t->incoming = 0;
-            }
-            uint64_t quiet = now - quiet_since;
-            if (quiet >= SPIN_NS && now - last_arrival >= SPIN_AFTER_ARRIVAL_NS) {
-                uint64_t nap = quiet / 8;
-                rest_worker(t, nap < REST_MIN_NS ? REST_MIN_NS : nap > REST_MAX_NS ? REST_MAX_NS : nap);
-                idle = 127; /* after the nap, one pass and then the next nap (or back to work) */
-            } else {
-                sched_yield();
-            }
-        }
+        rest_after_pass(t, &rest, busy, outstanding);
     }
 }
 
@@ -550,6 +477,7 @@ static uint64_t submit_writes(fl_engine *e, const fl_request *r, uint64_t start)
     }
     uint64_t i = start;
     uint32_t turn = (uint32_t)((r->first_nic + start) % span);
+    if (start == 0 && r->count < span) turn = awake_turn(e, r, turn, span);
     for (; i < r->count; i++) {
         uint32_t nic = r->nic_order ? r->nic_order[turn] : turn;  /* checked < nnics by the caller */
         int w = e->nics[nic].group;

@@ -36,7 +36,7 @@ def test_engine_under_sanitizer(sanitizer, tmp_path):
     if missing:
         pytest.skip(f"the compiler lacks the {sanitizer} sanitizer runtime: {missing}")
     binary = tmp_path / f"selftest-{sanitizer}"
-    engine = [str(ROOT / "native" / name) for name in ("core.c", "course.c", "service.c")]
+    engine = [str(ROOT / "native" / name) for name in ("core.c", "course.c", "service.c", "resting.c")]
     build = subprocess.run([cc, "-O1", "-g", f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer",
                             str(ROOT / "native" / "selftest" / "engine_selftest.c"), *engine,
                             *libfabric_flags(), "-lfabric", "-lpthread", "-o", str(binary)],
