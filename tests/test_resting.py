@@ -90,3 +90,26 @@ def test_an_engine_with_resting_workers_closes_promptly(fabric):
         started = time.monotonic()
         e.close()
         assert time.monotonic() - started < 5
+
+
+def test_small_transfers_start_at_an_awake_worker_within_the_regions_nics(fabric):
+    """A transfer of fewer writes than NICs starts at a NIC whose worker is awake, never outside the NICs the
+    region leaves through (Region.nic_slots: set by hand, as tests/test_api.py does), and every page lands."""
+    target = PeerProcess(fabric, 64 * PAGE)
+    try:
+        with Engine(fabric[0], domains=fabric[1], nics=4, threads=2, pin=False, timeout=10) as engine:
+            data = pages_of(6, 64)
+            region = engine.register(data)
+            region.nic_slots, region._nic_order = [1, 3], np.array([1, 3], dtype=np.uint16)
+            peer = engine.connect(target.address)
+            for i in range(40):
+                if i % 10 == 9:
+                    time.sleep(0.05)  # every worker at rest: the transfer starts where it was told
+                peer.write_pages(region, [i], target.descriptor, [i], PAGE, imm=7).result(timeout=10)
+            want = np.zeros(64 * PAGE, dtype=np.uint8)
+            want[:40 * PAGE] = data[:40 * PAGE]
+            assert target.ask("expect 7 40 10") == f"landed 40 sha256={hashlib.sha256(want).hexdigest()}"
+            writes = [n["writes"] for n in engine.stats()["per_nic"]]
+            assert writes[0] == writes[2] == 0 and writes[1] + writes[3] == 40, writes
+    finally:
+        target.close()
