@@ -30,7 +30,7 @@ typedef struct op_slot {
 #define DONE_CAPACITY(e) (2 * (uint64_t)(e)->transfer_capacity)
 
 /* Service mode: what fl_service_submit hands one worker thread. Producers take the lock; the worker
- * only reads head/tail atomically. `resting`: 1 while the worker naps (service.c, rest_worker), the word
+ * only reads head/tail atomically. `resting`: 1 while the worker naps (resting.c), the word
  * it sleeps on; whoever gives it something to do and sees 1 wakes it. */
 typedef struct inbox {
     pthread_mutex_t lock;
@@ -88,7 +88,7 @@ typedef struct engine_state {
      * finished, and when the last of its abandoned writes is reported; it is reused only after Python
      * took it out), so DONE_CAPACITY entries always suffice */
     _Atomic int park_request[FL_MAX_THREADS], parked[FL_MAX_THREADS]; /* fl_worker_park */
-    _Atomic uint64_t last_arrival_ns; /* when a peer's write last landed on any worker's NICs (service.c) */
+    _Atomic uint64_t last_arrival_ns; /* when a peer's write last landed on any worker's NICs (resting.c) */
     /* Stopping (fl_service_stop). A worker clears its worker_running flag as the last thing it does; one
      * still set at the stop's deadline is stuck inside a provider call (shm spins for ever on a lock that
      * its killed peer held): it is detached, and everything it may touch stays allocated (stranded_threads:
@@ -203,7 +203,7 @@ typedef struct rest_state {
     uint64_t quiet_since;   /* when the worker last had anything of its own to do */
 } rest_state;
 struct fl_request;
-FL_INTERNAL void rest_begin(thread_ctx *t, rest_state *r);
+FL_INTERNAL void rest_begin(rest_state *r); /* on the worker's thread, before its loop */
 /* after each pass of the worker's loop: yield, spin on, or nap */
 FL_INTERNAL void rest_after_pass(thread_ctx *t, rest_state *r, int busy, uint32_t outstanding);
 /* worker w was given something to do (writes in its inbox, a park request, the stop): wake it if it rests */

@@ -35,8 +35,7 @@
 #define REST_TIMER_SLACK_NS 5000 /* naps of REST_MIN_NS would last 70 us with the default 50 us of slack */
 #define ARRIVAL_STAMP_NS 100000ull /* how stale the engine's last-arrival time may get while writes land */
 
-void rest_begin(thread_ctx *t, rest_state *r) {
-    (void)t;
+void rest_begin(rest_state *r) {
     prctl(PR_SET_TIMERSLACK, REST_TIMER_SLACK_NS, 0, 0, 0); /* this thread's timers only */
     *r = (rest_state){.quiet_since = fl_now_ns()};
 }

@@ -343,7 +343,7 @@ static void service_loop(thread_ctx *t) {
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
     rest_state rest;
-    rest_begin(t, &rest);
+    rest_begin(&rest);
     t->last_progress_ns = fl_now_ns();
     uint64_t passes = 0;
     t->revive_seen = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
