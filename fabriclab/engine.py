@@ -844,7 +844,12 @@ class Engine:
     and are copied to the GPU before ``expect`` counts them and before the writer's transfer completes.
     ``stats()["staging"]`` counts staged and landed bytes and copy times.
 
-    Pinned workers poll their NICs without rest, so keep your own busy threads off their cores:
+    Workers poll their NICs without pause while they have work, and for a moment after (0.2 ms after
+    their last write, 2 ms after a peer's write last landed in this engine); then they rest, napping and
+    polling once per nap (20 us, growing to 1 ms as the quiet lasts). A write handed to a resting worker
+    wakes it at once; a write *into* a quiet engine waits for its next poll on providers whose target
+    moves the bytes (shm, tcp): after a quiet gap G, up to min((G - 2 ms) / 4, 1 ms) late, and the writes
+    after it on time. Busy pinned workers own their cores, so keep your own busy threads off them:
     ``os.sched_setaffinity(0, engine.housekeeping_cores)`` (the engine's own reaper thread runs there).
     Done-callbacks of transfers run on a thread of their own, one at a time. An engine dropped without
     ``close()`` closes itself once collected. After fork() an engine belongs to the parent: the child
@@ -1104,7 +1109,7 @@ class _Service:
         self.next_deadline = float("inf")  # the earliest deadline the reaper has to look at
         self.max_msg_size = min(s.info.max_msg_size for s in self.nics.slots)
         self.submitted = {"transfers": 0, "pages": 0, "writes": 0}  # pages: as asked; writes: after coalescing
-        # The workers poll without rest; any other busy thread landing on their cores stalls a NIC.
+        # Busy workers poll without pause; any other busy thread landing on their cores stalls a NIC.
         self.housekeeping_cores = frozenset(os.sched_getaffinity(0)) - frozenset(self.worker_cores)
         self.stager: staging.Stager | None = None  # started at the first staged region
         self.landing: landing.Landing | None = None  # started at the first staged target, or write into one

@@ -232,7 +232,10 @@ def default_layout(real_nics: int, topology_groups: int, usable_cores: int) -> L
 
     ``real_nics``: domains the provider offers; ``topology_groups``: groups of fabriclab.topology that hold
     those NICs (one per GPU on a GPU host); ``usable_cores``: cores this process may run on
-    (``os.sched_getaffinity``). Workers poll without rest, so at most ``usable_cores - CALLER_CORES`` of them.
+    (``os.sched_getaffinity``). A worker with work polls without pause, so at most ``usable_cores -
+    CALLER_CORES`` of them: one engine busy on every NIC still leaves its caller a core. Engines of other
+    processes are not counted: idle workers rest (native/resting.c), so several engines on one host take
+    cores only while they have work.
 
     * Several real NICs (EFA): every real NIC, no emulated ones; one thread per topology group (each pinned
       beside its GPU, driving that GPU's NICs), at most one per NIC and per spare core.

@@ -339,6 +339,7 @@ int poll_nic(thread_ctx *t, int nic_index) {
         if (got < 0) { fail(t->e, (int)got, "NIC %d: fi_cq_read: %s", nic_index, fi_strerror((int)-got)); return -1; }
         for (ssize_t i = 0; i < got; i++) {
             if (remote_completion(entries[i].flags)) { /* a peer's write into our memory */
+                t->incoming = 1;
                 if (entries[i].flags & FI_REMOTE_CQ_DATA) {
                     n->arrivals++;
                     landed |= count_imm(t->e, entries[i].data);

@@ -30,11 +30,13 @@ typedef struct op_slot {
 #define DONE_CAPACITY(e) (2 * (uint64_t)(e)->transfer_capacity)
 
 /* Service mode: what fl_service_submit hands one worker thread. Producers take the lock; the worker
- * only reads head/tail atomically. */
+ * only reads head/tail atomically. `resting`: 1 while the worker naps (resting.c), the word
+ * it sleeps on; whoever gives it something to do and sees 1 wakes it. */
 typedef struct inbox {
     pthread_mutex_t lock;
     fl_op *ops;
     _Atomic uint32_t head, tail;
+    _Atomic uint32_t resting;
 } inbox;
 
 struct group;
@@ -86,6 +88,7 @@ typedef struct engine_state {
      * finished, and when the last of its abandoned writes is reported; it is reused only after Python
      * took it out), so DONE_CAPACITY entries always suffice */
     _Atomic int park_request[FL_MAX_THREADS], parked[FL_MAX_THREADS]; /* fl_worker_park */
+    _Atomic uint64_t last_arrival_ns; /* when a peer's write last landed on any worker's NICs (resting.c) */
     /* Stopping (fl_service_stop). A worker clears its worker_running flag as the last thing it does; one
      * still set at the stop's deadline is stuck inside a provider call (shm spins for ever on a lock that
      * its killed peer held): it is detached, and everything it may touch stays allocated (stranded_threads:
@@ -132,6 +135,7 @@ typedef struct thread_ctx {
     size_t spill_len, spill_cap;
     uint32_t revive_seen; /* service: the e->revive_epoch this worker's dead paths belong to */
     uint32_t reroute_rr;
+    int incoming;         /* service: a peer's write landed on this worker's NICs since it last looked */
 } thread_ctx;
 
 static inline int stopping(const fl_engine *e) { return __atomic_load_n(&e->stop, __ATOMIC_RELAXED); }
@@ -191,4 +195,20 @@ FL_INTERNAL void reroute_dead_paths(thread_ctx *t, int nic_index, int stalled);
 FL_INTERNAL void service_paths_down(thread_ctx *t, int nic_index);
 /* after a stop that left threads behind: free the service once they are gone (0), else how many remain */
 FL_INTERNAL int fl_service_release_stranded(fl_engine *e);
+
+/* ------------------------------------------ defined in resting.c: idle service workers nap (see there) */
+
+typedef struct rest_state {
+    uint32_t idle, waiting; /* passes in a row with nothing to do, or only completions to wait for */
+    uint64_t quiet_since;   /* when the worker last had anything of its own to do */
+} rest_state;
+struct fl_request;
+FL_INTERNAL void rest_begin(rest_state *r); /* on the worker's thread, before its loop */
+/* after each pass of the worker's loop: yield, spin on, or nap */
+FL_INTERNAL void rest_after_pass(thread_ctx *t, rest_state *r, int busy, uint32_t outstanding);
+/* worker w was given something to do (writes in its inbox, a park request, the stop): wake it if it rests */
+FL_INTERNAL void wake_worker(engine_state *st, int w);
+/* where a transfer of fewer writes than NICs starts: the first NIC, from `turn` on in the request's order,
+ * whose worker is awake; `turn` when all rest (any NIC reaches the peer: the request routes each) */
+FL_INTERNAL uint32_t awake_turn(const fl_engine *e, const struct fl_request *r, uint32_t turn, uint32_t span);
 #endif

@@ -31,6 +31,7 @@ static int push_inbox(engine_state *st, int worker, const fl_op *op) {
         atomic_store_explicit(&box->tail, tail + 1, memory_order_release);
     }
     pthread_mutex_unlock(&box->lock);
+    if (room) wake_worker(st, worker);
     return room;
 }
 
@@ -197,6 +198,7 @@ static int park_worker(fl_engine *e, engine_state *st, int nic, double timeout_s
     uint64_t until = fl_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     struct timespec pause = {0, 20000};
     atomic_store_explicit(&st->park_request[w], 1, memory_order_release);
+    wake_worker(st, w);
     while (!atomic_load_explicit(&st->parked[w], memory_order_acquire)) {
         if (stopping(e) || fl_now_ns() > until) {
             atomic_store_explicit(&st->park_request[w], 0, memory_order_release);
@@ -310,20 +312,40 @@ static int drain_inbox(thread_ctx *t, uint32_t budget) {
     return (int)moved;
 }
 
+/* One pass over the worker's inbox and NICs: 1 when it moved anything, 0 when it found nothing, -1 when the
+ * engine failed. *outstanding: writes of its own still queued, held or in flight. */
+static int service_pass(thread_ctx *t, uint32_t *outstanding) {
+    fl_engine *e = t->e;
+    const group *mine = t->groups; /* the NICs this worker owns (fl_nic.group == its id) */
+    int busy = drain_inbox(t, (uint32_t)t->cfg->batch * 64);
+    *outstanding = 0;
+    for (int i = 0; i < mine->nnics; i++) {
+        int k = mine->nics[i];
+        int got = poll_nic(t, k);
+        if (got < 0) return -1;
+        busy |= got;
+        if (t->st->nics[k].held_len) release_held(t, k);
+        /* lazy posting: the queue was just drained, so this is when there is room */
+        if (progress_pending(t, k) < 0) return -1;
+        *outstanding += e->nics[k].in_flight + (e->nics[k].ring_tail - e->nics[k].ring_head) +
+                        t->st->nics[k].held_len;
+    }
+    return busy != 0;
+}
+
 static void service_loop(thread_ctx *t) {
     fl_engine *e = t->e;
     const fl_config *cfg = t->cfg;
-    const group *mine = t->groups; /* the NICs this worker owns (fl_nic.group == its id) */
+    const group *mine = t->groups;
     if (cfg->pin) {
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(cfg->cores[t->id], &set);
         pthread_setaffinity_np(pthread_self(), sizeof set, &set);
     }
-    uint32_t idle = 0;
-    int resting = 0;
-    uint64_t quiet_since = fl_now_ns();
-    t->last_progress_ns = quiet_since;
+    rest_state rest;
+    rest_begin(&rest);
+    t->last_progress_ns = fl_now_ns();
     uint64_t passes = 0;
     t->revive_seen = __atomic_load_n(&e->revive_epoch, __ATOMIC_ACQUIRE);
     while (!stopping(e)) {
@@ -334,37 +356,10 @@ static void service_loop(thread_ctx *t) {
             for (int i = 0; i < mine->nnics; i++)
                 if (link_stalled(t, mine->nics[i], now)) service_paths_down(t, mine->nics[i]);
         }
-        int busy = drain_inbox(t, (uint32_t)cfg->batch * 64);
-        uint32_t outstanding = 0;
-        for (int i = 0; i < mine->nnics; i++) {
-            int k = mine->nics[i];
-            int got = poll_nic(t, k);
-            if (got < 0) return;
-            busy |= got;
-            if (t->st->nics[k].held_len) release_held(t, k);
-            /* lazy posting: the queue was just drained, so this is when there is room */
-            if (progress_pending(t, k) < 0) return;
-            outstanding += e->nics[k].in_flight + (e->nics[k].ring_tail - e->nics[k].ring_head) +
-                           t->st->nics[k].held_len;
-        }
-        if (busy || outstanding) {
-            idle = 0;
-            resting = 0;
-        } else if (resting) {
-            /* Quiet for over 10 ms (every write carries immediate data, so a target sees its peers'
-             * traffic): keep polling — software providers need it for incoming writes — every 20 us. */
-            struct timespec pause = {0, 20000};
-            nanosleep(&pause, NULL);
-        } else {
-            /* Nothing to do for now: let a thread that waits for this core (the caller's, a staging
-             * thread) run at once rather than at the scheduler's next tick; costs nothing when none waits. */
-            if ((++idle & 63) == 0) sched_yield();
-            if ((idle & 4095) == 0) {
-                uint64_t now = fl_now_ns();
-                if (idle == 4096) quiet_since = now;
-                resting = now - quiet_since > 10000000ull;
-            }
-        }
+        uint32_t outstanding;
+        int busy = service_pass(t, &outstanding);
+        if (busy < 0) return;
+        rest_after_pass(t, &rest, busy, outstanding);
     }
 }
 
@@ -483,6 +478,7 @@ static uint64_t submit_writes(fl_engine *e, const fl_request *r, uint64_t start)
     }
     uint64_t i = start;
     uint32_t turn = (uint32_t)((r->first_nic + start) % span);
+    if (start == 0 && r->count < span) turn = awake_turn(e, r, turn, span);
     for (; i < r->count; i++) {
         uint32_t nic = r->nic_order ? r->nic_order[turn] : turn;  /* checked < nnics by the caller */
         int w = e->nics[nic].group;
@@ -500,8 +496,10 @@ static uint64_t submit_writes(fl_engine *e, const fl_request *r, uint64_t start)
         if (++turn == span) turn = 0;
     }
     for (int w = threads - 1; w >= 0; w--) {
+        int given = tail[w] != atomic_load_explicit(&st->inboxes[w].tail, memory_order_relaxed);
         atomic_store_explicit(&st->inboxes[w].tail, tail[w], memory_order_release);
         pthread_mutex_unlock(&st->inboxes[w].lock);
+        if (given) wake_worker(st, w);
     }
     return i - start;
 }
@@ -559,6 +557,7 @@ int fl_service_stop(fl_engine *e, double timeout_s) {
     __atomic_store_n(&e->stop, 1, __ATOMIC_SEQ_CST);
     atomic_store(&st->closing, 1);
     notify(e, FL_NO_TRANSFER); /* a caller waiting in fl_service_wait leaves now */
+    for (int w = 0; w < threads; w++) wake_worker(st, w);
     uint64_t until = fl_now_ns() + (uint64_t)(timeout_s > 0 ? timeout_s * 1e9 : 0);
     struct timespec pause = {0, 100000};
     while (!service_quiet(st, threads) && fl_now_ns() < until) nanosleep(&pause, NULL);

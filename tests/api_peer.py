@@ -1,6 +1,6 @@
 """A peer process for the API tests: an Engine with one registered buffer that waits for writes.
 
-    python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex] [--staged-host [--small-pool]]
+    python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex] [--staged-host [--small-pool]] [--threads=N]
 prints its bootstrap port, swaps (address, descriptor) with the test over it, then answers commands
 read from stdin, one per line: "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (or "timeout"),
 "digest", "count BYTE" -> how many bytes of the buffer hold that value, "close-region" (closes the
@@ -24,7 +24,8 @@ bootstrap_as_hex = "--hex" in sys.argv[4:]
 staged = "--staged-host" in sys.argv[4:]
 pool = (dict(staging_bytes=8 << 16, staging_chunk_bytes=2 << 16, timeout=30) if "--small-pool" in sys.argv[4:]
         else dict(timeout=10))
-with Engine(provider, domains=None if domain == "-" else domain, pin=False, **pool) as engine:
+threads = next((int(a.split("=", 1)[1]) for a in sys.argv[4:] if a.startswith("--threads=")), None)
+with Engine(provider, domains=None if domain == "-" else domain, threads=threads, pin=False, **pool) as engine:
     buffer = np.zeros(size, dtype=np.uint8)
     region = engine._register_staged_host(buffer) if staged else engine.register(buffer)
     if bootstrap_as_hex:

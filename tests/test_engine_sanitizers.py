@@ -12,7 +12,7 @@ from native_build import (ROOT, SANITIZER_ENV, compiler_with, libfabric_flags, s
 def test_engine_under_sanitizer(sanitizer, tmp_path):
     cc = compiler_with(sanitizer, tmp_path)
     binary = tmp_path / f"selftest-{sanitizer}"
-    engine = [str(ROOT / "native" / name) for name in ("core.c", "course.c", "service.c")]
+    engine = [str(ROOT / "native" / name) for name in ("core.c", "course.c", "service.c", "resting.c")]
     build = subprocess.run([cc, *sanitizer_flags(sanitizer), str(ROOT / "native" / "selftest" / "engine_selftest.c"),
                             *engine, *libfabric_flags(), "-lfabric", "-lpthread", "-o", str(binary)],
                            capture_output=True, text=True)
