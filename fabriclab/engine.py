@@ -61,6 +61,10 @@ WORKER_EXIT_TIMEOUT = 5.0
 # (NICs, registrations, buffers of unfinished transfers, the staging pool) stays open for the life of the
 # process, since nobody can tell when, if ever, they let go of it.
 _STRANDED_SERVICES: list["_Service"] = []
+# The ids of the engines closed in this process. Their addresses are refused by connect() and their Peers take
+# no more writes: a libfabric endpoint closed in this process can crash the process when its address is used
+# again (shm keeps it in its list of this process's endpoints for ever: fabriclab._inprocess says more).
+_CLOSED_HERE: set[int] = set()
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -126,6 +130,12 @@ class InvalidDescriptor(TransferError, ValueError):
 
     def __init__(self, message: str, *, about_buffer: bool = True):
         super().__init__(message, buffer_safe=True, about_buffer=about_buffer)
+
+
+def _closed_here(what: str, about_buffer: bool = True) -> PeerLost:
+    """For a write to (or connect() to) an engine closed in this process: nothing was posted."""
+    return PeerLost(f"{what} was closed, in this process: nothing reaches it any more (connect to an open engine)",
+                    buffer_safe=True, about_buffer=about_buffer)
 
 
 def _bad_address(message: str) -> InvalidDescriptor:
@@ -677,6 +687,8 @@ class Peer:
 
     def __init__(self, engine: "Engine", address):
         engine_id, addresses, host = _parse_address(address)
+        if engine_id in _CLOSED_HERE:
+            raise _closed_here("the engine at that address", about_buffer=False)
         service = engine._service
         n = len(addresses)
         self.engine, self.id, self.nics = engine, engine_id, n
@@ -1245,6 +1257,8 @@ class _Service:
         region._check_open()
         if peer.closed:
             raise fi.UsageError("that peer was closed; connect again")
+        if peer.id in _CLOSED_HERE:
+            raise _closed_here("the peer engine")
         if region.engine._service is not self:
             raise fi.UsageError("that region was registered with another engine")
         imm = _native.NO_IMM if imm is None else _integer(imm, "imm", 0, _native.MAX_IMM)
@@ -1447,6 +1461,7 @@ class _Service:
         self.closed = True
         if self.pid != os.getpid():
             return  # after fork(): the threads, NICs and shared memory are the parent's, not ours to close
+        _CLOSED_HERE.add(self.engine_id)
         if threading.current_thread() is self.reaper:  # collected on the reaper thread: it finishes the job
             self._closed_by_reaper = True
             return
