@@ -313,7 +313,9 @@ def test_a_target_closed_in_this_process_is_never_a_segfault(fabric):
     print(outcomes)
     assert outcomes["write_before_close"] == {"ok": 20}
     assert outcomes["write_after_close"] == outcomes["connect_after_close"] == {"PeerLost": 20}
-    assert outcomes["local_pair"] == {"ok": 20}
+    # its receiver kept open for the sender (unprogressed): writes stall; a provider may also refuse them
+    assert sum(outcomes["local_pair"].values()) == 20
+    assert set(outcomes["local_pair"]) <= {"ok", "FabricError"}, outcomes["local_pair"]
     for case, count in (("target_first", 20), ("both_ways", 40)):
         assert sum(outcomes[case].values()) == count
         assert set(outcomes[case]) <= {"ok", "TransferError", "TransferTimeout", "PeerLost"}, outcomes[case]
