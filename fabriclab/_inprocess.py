@@ -9,13 +9,20 @@ smr_generic_rma), the completion of a write the peer answered (its command count
 again (the list of names is never pruned). The process dies of a segfault. Two fabriclab.Engines of one
 process writing to each other, or the lessons' LocalPair, are such pairs.
 
-So an endpoint is closed in libfabric (fi_close) only once every address vector of another resource tree of
-this process that holds its address is closed, with the endpoints bound to it. Until then the endpoint is
-closed for Python (every call refuses) and left open in libfabric, unused, along with what it needs (the
-queues it is bound to, its domain and fabric): what a peer of this process still posts to it stalls, as it
-would into an endpoint whose process exited, and fails at its deadline. The last holder's close closes them.
-This is the order libfabric asks for anyway (an object closes when nothing uses it any more) and costs every
-provider nothing but an endpoint kept a little longer.
+It goes the other way too: the first post to a peer sends it this endpoint's name, and the peer then holds
+this endpoint's region the same way, and writes into it as it answers this endpoint's commands (the answer
+to a write still queued when this endpoint closed lands in unmapped memory).
+
+So an endpoint is closed in libfabric (fi_close) only once (1) every address vector of another resource tree
+of this process that holds its address is closed, with the endpoints bound to it, and (2) every endpoint of
+this process whose address its own address vector holds is closed, unless its owner declared it idle (no
+operation of it is still inside the provider: nothing of its is left for a peer to answer). Until then the
+endpoint is closed for Python (every call refuses) and left open in libfabric, unused, along with what it
+needs (the queues it is bound to, its domain and fabric): what a peer of this process still posts to it
+stalls, as it would into an endpoint whose process exited, and fails at its deadline. The last of them to
+close closes the rest. This is the order libfabric asks for anyway (an object closes when nothing uses it
+any more) and costs every provider nothing but memory held a while longer: a target closed first is held
+until its writers close, a writer closed with writes still inside the provider until its targets close.
 
 A tree is not its own peer: its objects close children first, newest first, with nothing posted in between.
 fi.py calls this module; it holds the libfabric objects' ``_Native`` records, never the Resources.
@@ -30,6 +37,8 @@ _addresses: dict[object, bytes] = {}  # and back
 _holders: dict[object, set] = {}  # endpoint -> address vectors of other trees that hold its address
 _holds: dict[object, set] = {}  # and back
 _users: dict[object, list] = {}  # completion queue or address vector -> the endpoints bound to it
+_bound: dict[object, tuple] = {}  # and back
+_idle: set = set()  # endpoints whose owner said no operation of theirs is still inside the provider
 _deferred: list = []  # closed for Python, left open in libfabric until ready()
 
 
@@ -44,8 +53,16 @@ def endpoint_opened(endpoint, address: bytes, bound_to) -> None:
     with _lock:
         _endpoints[address] = endpoint
         _addresses[endpoint] = address
+        _bound[endpoint] = tuple(bound_to)
         for node in bound_to:
             _users.setdefault(node, []).append(endpoint)
+
+
+def declare_idle(endpoint) -> None:
+    """No operation posted on ``endpoint`` is still inside the provider: its close need not wait for the
+    peers of this process it wrote to (condition 2 above)."""
+    with _lock:
+        _idle.add(endpoint)
 
 
 def address_inserted(av, address: bytes) -> None:
@@ -65,11 +82,12 @@ def _done(av) -> bool:
 
 
 def _ready(node) -> bool:
-    """``node`` may be closed in libfabric: no holder of its address can use it, and nothing left open under
-    it or bound to it waits for such a holder."""
+    """``node`` may be closed in libfabric: no holder of its address can use it, no peer of this process it
+    wrote to can still answer it, and nothing left open under it or bound to it waits for either."""
     return (all(child.fid is None for child in node.children)
             and not any(user.closed and user.fid is not None for user in _users.get(node, ()))
-            and all(_done(av) for av in _holders.get(node, ())))
+            and all(_done(av) for av in _holders.get(node, ()))
+            and (node in _idle or all(peer.closed for av in _bound.get(node, ()) for peer in _holds.get(av, ()))))
 
 
 def close_now(node) -> bool:
@@ -91,6 +109,8 @@ def closed(node) -> list:
             del _endpoints[address]
         _holders.pop(node, None)
         _users.pop(node, None)
+        _bound.pop(node, None)
+        _idle.discard(node)
         for endpoint in _holds.pop(node, ()):
             _holders.get(endpoint, set()).discard(node)
         if not _deferred:
@@ -104,6 +124,6 @@ def after_fork_in_child() -> None:
     """The parent's objects are not this process's to close (fi.py only forgets them): forget them here too."""
     global _lock
     _lock = threading.Lock()
-    for table in (_endpoints, _addresses, _holders, _holds, _users):
+    for table in (_endpoints, _addresses, _holders, _holds, _users, _bound, _idle):
         table.clear()
     _deferred.clear()

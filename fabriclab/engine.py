@@ -1477,6 +1477,10 @@ class _Service:
         if self.stager is not None:
             self.stager.close()  # fails what it had not handed over; its chunks' writes are failed below
         stranded = self.native.stop_service(WORKER_EXIT_TIMEOUT)
+        if not stranded:
+            # their endpoints' regions need not outlive them for the engines of this process they wrote to
+            for index in self.native.idle_nics():
+                self.nics.slots[index].ep.declare_idle()
         self.final_stats = {**self._snapshot_after_stop(), "closed": True, "stranded_threads": stranded}
         fields = _native.TRANSFER_FIELDS
         with self.lock:

@@ -22,7 +22,7 @@ destinations = []
 
 
 def engine() -> Engine:
-    return Engine(provider, domains=domain, timeout=3, threads=1, pin=False, gpu=False)
+    return Engine(provider, domains=domain, timeout=10, threads=1, pin=False, gpu=False)
 
 
 def outcome(case: str, call) -> None:

@@ -311,7 +311,7 @@ def test_a_target_closed_in_this_process_is_never_a_segfault(fabric):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     outcomes = report["outcomes"]
     print(outcomes)
-    assert outcomes["write_before_close"] == {"ok": 20}
+    assert outcomes["write_before_close"] == {"ok": 20}, outcomes
     assert outcomes["write_after_close"] == outcomes["connect_after_close"] == {"PeerLost": 20}
     # its receiver kept open for the sender (unprogressed): writes stall; a provider may also refuse them
     assert sum(outcomes["local_pair"].values()) == 20
