@@ -10,6 +10,7 @@ import collections
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -47,6 +48,18 @@ def target_first():
     target.close()
     writer.close()
     outcome("target_first", lambda: transfer.result(5))
+
+
+def writer_first():
+    """The other order: the writer closed with writes queued, the target still answering what it holds of it."""
+    writer, target, source, descriptor = pair()
+    peer = writer.connect(target.address)
+    transfers = [peer.write(source, descriptor, stripe_bytes=4096) for _ in range(4)]
+    writer.close()
+    time.sleep(0.02)
+    target.close()
+    for transfer in transfers:
+        outcome("writer_first", lambda: transfer.result(5))
 
 
 def write_after_close():
@@ -96,8 +109,8 @@ def local_pair():
         outcome("local_pair", use_the_sender)
 
 
-cases = [globals()[name] for name in sys.argv[4:]] or [target_first, write_after_close, connect_after_close,
-                                                        both_ways, local_pair]
+cases = [globals()[name] for name in sys.argv[4:]] or [target_first, writer_first, write_after_close,
+                                                        connect_after_close, both_ways, local_pair]
 for _ in range(repeat):
     for case in cases:
         case()
