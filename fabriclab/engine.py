@@ -1017,7 +1017,11 @@ class Engine:
         Never blocks for long: a worker thread that has not stopped within WORKER_EXIT_TIMEOUT seconds is
         stuck inside the provider (shm spins for ever on a lock its peer held when it was killed). It is
         left running at idle priority, a warning says so (``stats()["stranded_threads"]`` counts it), and
-        the NICs, registrations and staging pool it may still touch stay open until the process exits."""
+        the NICs, registrations and staging pool it may still touch stay open until the process exits.
+
+        Engines of this process that wrote to this one (or that it wrote to, with writes left unanswered) keep
+        its endpoints open in libfabric, unused, until they close too (fabriclab._inprocess: shm crashes the
+        process otherwise); writes and ``connect()`` to it from them are PeerLost from now on."""
         self._finalizer.detach()
         self._service.close()
 
