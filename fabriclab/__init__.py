@@ -3,7 +3,8 @@
 ``from fabriclab import Engine`` is the library. The package is layered, each layer importing only
 from the ones below it (``tests/test_layers.py`` holds it to that):
 
-* the binding: ``fi`` (libfabric through cffi);
+* the binding: ``fi`` (libfabric through cffi) and ``_inprocess`` (the order in which endpoints of one
+  process that are each other's peers may close);
 * the library core: ``nics`` (NIC sets, worker placement), ``_native`` (the C engine's wrapper),
   ``memory``, ``gpu``, ``staging`` (GPU memory through pinned host memory), ``landing`` (staged GPU
   targets: landing lanes), ``control`` (their control channel and its messages, checked), ``lanecopy``

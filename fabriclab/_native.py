@@ -293,6 +293,14 @@ class NativeEngine:
         the slot's current endpoint: an endpoint stuck behind them is renewed (:meth:`renew_nic`)."""
         return int(self._ptr.nics[index].unreported_here)
 
+    def idle_nics(self) -> list[int]:
+        """The NIC slots whose current endpoint has nothing inside the provider: no write posted and not
+        reported, none given up on, none waiting in the ring to be posted again (a post refused with
+        -FI_EAGAIN may have left something with the peer: shm sends it this endpoint's name first). Asked
+        once the workers stopped: nothing changes it then."""
+        nics = [self._ptr.nics[i] for i in range(len(self.nics.slots))]
+        return [i for i, n in enumerate(nics) if n.in_flight == 0 and n.unreported_here == 0 and n.ring_head == n.ring_tail]
+
     def renewal_waiting(self, index: int) -> bool:
         """A fresh endpoint handed to NIC slot ``index`` still waits for its worker to swap it in."""
         return self._ptr.nics[index].next_ep != ffi.NULL

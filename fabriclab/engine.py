@@ -61,6 +61,10 @@ WORKER_EXIT_TIMEOUT = 5.0
 # (NICs, registrations, buffers of unfinished transfers, the staging pool) stays open for the life of the
 # process, since nobody can tell when, if ever, they let go of it.
 _STRANDED_SERVICES: list["_Service"] = []
+# The ids of the engines closed in this process. Their addresses are refused by connect() and their Peers take
+# no more writes: a libfabric endpoint closed in this process can crash the process when its address is used
+# again (shm keeps it in its list of this process's endpoints for ever: fabriclab._inprocess says more).
+_CLOSED_HERE: set[int] = set()
 
 
 # ------------------------------------------------------------------------------------------- errors
@@ -126,6 +130,12 @@ class InvalidDescriptor(TransferError, ValueError):
 
     def __init__(self, message: str, *, about_buffer: bool = True):
         super().__init__(message, buffer_safe=True, about_buffer=about_buffer)
+
+
+def _closed_here(what: str, about_buffer: bool = True) -> PeerLost:
+    """For a write to (or connect() to) an engine closed in this process: nothing was posted."""
+    return PeerLost(f"{what} was closed, in this process: nothing reaches it any more (connect to an open engine)",
+                    buffer_safe=True, about_buffer=about_buffer)
 
 
 def _bad_address(message: str) -> InvalidDescriptor:
@@ -681,6 +691,8 @@ class Peer:
 
     def __init__(self, engine: "Engine", address):
         engine_id, addresses, host = _parse_address(address)
+        if engine_id in _CLOSED_HERE:
+            raise _closed_here("the engine at that address", about_buffer=False)
         service = engine._service
         n = len(addresses)
         self.engine, self.id, self.nics = engine, engine_id, n
@@ -1014,7 +1026,11 @@ class Engine:
         Never blocks for long: a worker thread that has not stopped within WORKER_EXIT_TIMEOUT seconds is
         stuck inside the provider (shm spins for ever on a lock its peer held when it was killed). It is
         left running at idle priority, a warning says so (``stats()["stranded_threads"]`` counts it), and
-        the NICs, registrations and staging pool it may still touch stay open until the process exits."""
+        the NICs, registrations and staging pool it may still touch stay open until the process exits.
+
+        Engines of this process that wrote to this one (or that it wrote to, with writes left unanswered) keep
+        its endpoints open in libfabric, unused, until they close too (fabriclab._inprocess: shm crashes the
+        process otherwise); writes and ``connect()`` to it from them are PeerLost from now on."""
         self._finalizer.detach()
         self._service.close()
 
@@ -1256,6 +1272,8 @@ class _Service:
         region._check_open()
         if peer.closed:
             raise fi.UsageError("that peer was closed; connect again")
+        if peer.id in _CLOSED_HERE:
+            raise _closed_here("the peer engine")
         if region.engine._service is not self:
             raise fi.UsageError("that region was registered with another engine")
         imm = _native.NO_IMM if imm is None else _integer(imm, "imm", 0, _native.MAX_IMM)
@@ -1460,6 +1478,7 @@ class _Service:
         self.closed = True
         if self.pid != os.getpid():
             return  # after fork(): the threads, NICs and shared memory are the parent's, not ours to close
+        _CLOSED_HERE.add(self.engine_id)
         if threading.current_thread() is self.reaper:  # collected on the reaper thread: it finishes the job
             self._closed_by_reaper = True
             return
@@ -1475,6 +1494,10 @@ class _Service:
         if self.stager is not None:
             self.stager.close()  # fails what it had not handed over; its chunks' writes are failed below
         stranded = self.native.stop_service(WORKER_EXIT_TIMEOUT)
+        if not stranded:
+            # their endpoints' regions need not outlive them for the engines of this process they wrote to
+            for index in self.native.idle_nics():
+                self.nics.slots[index].ep.declare_idle()
         self.final_stats = {**self._snapshot_after_stop(), "closed": True, "stranded_threads": stranded}
         fields = _native.TRANSFER_FIELDS
         with self.lock:

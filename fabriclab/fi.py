@@ -38,6 +38,7 @@ os.environ.setdefault("IPATH_NO_BACKTRACE", "1")
 os.environ.setdefault("HFI_NO_BACKTRACE", "1")
 
 from ._fabric import ffi, lib  # noqa: E402
+from . import _inprocess  # noqa: E402
 
 #: Providers in the order fabriclab prefers them when none is named: real RDMA NICs first, then the
 #: shared-memory provider (two processes on one host), then TCP (any network, loopback included).
@@ -562,6 +563,7 @@ def _after_fork_in_child() -> None:
     global _pid, _signals_lock
     _pid = os.getpid()
     _signals_lock = threading.Lock()  # another thread of the parent may have held it at fork()
+    _inprocess.after_fork_in_child()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -604,13 +606,22 @@ class _Native:
             error = child.close()
             first_error = first_error or error
         if self.fid is not None and self.pid == _pid:
+            if not _inprocess.close_now(self):
+                return first_error  # an endpoint of this process still holds its address: closed later
             rc = lib.fi_close(self.fid)
             if rc < 0:
                 first_error = first_error or FabricError(f"fi_close({self.kind})", rc)
+        self._forget()
+        return first_error
+
+    def _forget(self) -> None:
+        """The libfabric object is gone: off the parent's list; close what waited for it (fabriclab._inprocess)."""
         self.fid = None
         if self.parent is not None and self in self.parent.children:
             self.parent.children.remove(self)
-        return first_error
+        for waiting in _inprocess.closed(self) if self.pid == _pid else ():
+            lib.fi_close(waiting.fid)  # closed for Python long ago: nobody is left to tell of a failure
+            waiting._forget()
 
     def collect(self) -> None:
         """The finalizer: the Resource was garbage-collected (or the interpreter is exiting) unclosed."""
@@ -719,7 +730,7 @@ class Resource:
     @property
     def children(self) -> list["Resource"]:
         """The open children still referred to from Python, oldest first."""
-        return [c for c in (n.owner() for n in self._native.children) if c is not None]
+        return [c for c in (n.owner() for n in self._native.children if not n.closed) if c is not None]
 
 
 class Fabric(Resource):
@@ -904,6 +915,7 @@ class AddressVector(Resource):
         if n != 1:
             raise FabricError("fi_av_insert", n if n < 0 else lib.FI_EINVAL,
                               message=None if n < 0 else "fi_av_insert rejected the address")
+        _inprocess.address_inserted(self._native, raw)  # an endpoint of this process: it waits for us to close
         return int(out[0])
 
     def remove(self, fi_addr: int) -> None:
@@ -1077,6 +1089,7 @@ class Endpoint(Resource):
             # failed enable removes it, so a second try succeeds
             rc = _keeping_signal_handlers(lib.fi_enable, self._ptr)
         check(rc, "fi_enable")
+        _inprocess.endpoint_opened(self._native, self.name, (cq._native, av._native))
         self._msg = ffi.new("struct fi_msg_rma *")
         self._iov = ffi.new("struct iovec *")
         self._rma_iov = ffi.new("struct fi_rma_iov *")
@@ -1115,6 +1128,12 @@ class Endpoint(Resource):
 
     def address(self, max_message: int = 0) -> "Address":
         return Address(self.info.provider, self.info.addr_format, self.name, max_message)
+
+    def declare_idle(self) -> None:
+        """Say that no operation posted on this endpoint is still inside the provider (each reported its
+        completion): its close then need not wait for the endpoints of this process it wrote to
+        (fabriclab._inprocess says why it otherwise does)."""
+        _inprocess.declare_idle(self._native)
 
     # Each post comes in two forms: try_post_* returns False on -FI_EAGAIN (the caller decides when to
     # retry) and post_* progresses this endpoint's completion queue and retries until its deadline. With

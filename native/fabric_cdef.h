@@ -246,6 +246,7 @@ typedef struct fl_nic {
     uint64_t passes;
     int down; uint64_t down_ns, resent; char down_why[...];
     uint64_t unreported, unreported_here, retried; uint32_t renewals; struct fid_ep *next_ep;
+    uint32_t ring_head, ring_tail;
     ...;
 } fl_nic;
 typedef struct fl_config {

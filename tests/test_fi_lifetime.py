@@ -91,3 +91,45 @@ def test_closed_and_dropped_children_after_close():
         keep.remote()
     with pytest.raises(fi.UsageError, match="cannot create a CompletionQueue here: Domain is closed"):
         fi.CompletionQueue(stack.domain)
+
+
+def region_names():
+    return {os.path.basename(p) for p in regions_of(os.getpid())}
+
+
+def test_an_endpoint_held_by_another_tree_of_this_process_closes_in_libfabric_after_it():
+    """shm maps an endpoint of the same process into a peer's address vector as the endpoint's own mapping,
+    unmapped at its fi_close: the target closed first stays open in libfabric (closed for Python) until the
+    tree holding its address closes; a writer closed first, until the endpoints it wrote to close, unless
+    declared idle. Cycles close too."""
+    before = region_names()
+    writer, target = fi.open_endpoint("shm"), fi.open_endpoint("shm")
+    mine = region_names() - before
+    writer.av.insert(target.ep.address())
+    target.close()
+    assert target.closed and region_names() - before == mine  # closed for Python, still open in libfabric
+    with pytest.raises(fi.UsageError):
+        target.ep.address()
+    writer.close()
+    assert not region_names() - before
+
+    writer, target = fi.open_endpoint("shm"), fi.open_endpoint("shm")
+    writer.av.insert(target.ep.address())
+    writer.close()  # it may have posted to the target: the target could still answer into its region
+    assert len(region_names() - before) == 2
+    target.close()
+    assert not region_names() - before
+
+    writer, target = fi.open_endpoint("shm"), fi.open_endpoint("shm")
+    writer.av.insert(target.ep.address())
+    writer.ep.declare_idle()  # nothing of it left for the target to answer
+    writer.close()
+    assert len(region_names() - before) == 1
+    target.close()
+
+    a, b = fi.open_endpoint("shm"), fi.open_endpoint("shm")
+    a.av.insert(b.ep.address())
+    b.av.insert(a.ep.address())
+    a.close()
+    b.close()
+    assert not region_names() - before

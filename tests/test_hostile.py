@@ -294,3 +294,30 @@ def test_close_never_blocks_after_the_peer_is_killed_mid_transfer(fabric, submit
     if report["stranded"]:
         # the stuck worker is inside a write of some unfinished transfer: that one cannot be safe
         assert not all(safe for kind, safe in outcomes if kind != "ok"), outcomes
+
+
+CLOSED_TARGET_HERE = os.path.join(os.path.dirname(__file__), "closed_target_here.py")
+
+
+def test_a_target_closed_in_this_process_is_never_a_segfault(fabric):
+    """Writer and target in one process, one closed first (two engines, either writing into the other, the
+    lessons' LocalPair): shm's address vector used the closed endpoint's own mapping, unmapped at its close,
+    and the other's next post, completion, answer or insert segfaulted (target first: 4 runs in 5; writer
+    first, the target answering the writer's queued writes: 4 runs of 20 rounds in 6). Now every write ends
+    typed: pending ones fail (the writer's close or deadline), new ones and connect() are refused as PeerLost,
+    and the regions leave /dev/shm once both closed. 20 rounds, in a process of its own."""
+    proc = subprocess.run([sys.executable, CLOSED_TARGET_HERE, fabric[0], fabric[1] or "-", "20"],
+                          capture_output=True, text=True, timeout=240, cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    outcomes = report["outcomes"]
+    print(outcomes)
+    assert outcomes["write_before_close"] == {"ok": 20}, outcomes
+    assert outcomes["write_after_close"] == outcomes["connect_after_close"] == {"PeerLost": 20}
+    # its receiver kept open for the sender (unprogressed): writes stall; a provider may also refuse them
+    assert sum(outcomes["local_pair"].values()) == 20
+    assert set(outcomes["local_pair"]) <= {"ok", "FabricError"}, outcomes["local_pair"]
+    for case, count in (("target_first", 20), ("writer_first", 80), ("both_ways", 40)):
+        assert sum(outcomes[case].values()) == count
+        assert set(outcomes[case]) <= {"ok", "TransferError", "TransferTimeout", "PeerLost"}, outcomes[case]
+    assert report["shm_left"] == []

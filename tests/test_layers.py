@@ -13,7 +13,7 @@ import fabriclab
 from fabriclab import fi
 
 PACKAGE = pathlib.Path(fabriclab.__file__).parent
-BINDING = {"fi", "_fabric"}
+BINDING = {"fi", "_fabric", "_inprocess"}
 CORE = {"nics", "_native", "memory", "gpu", "staging", "landing", "control", "lanecopy", "topology", "shmclean", "cli",
         "engine", "bootstrap"}
 STAGES = ["unidirectional", "bidirectional", "rdma_write", "opqueue", "multi_nic", "threaded", "batched"]
