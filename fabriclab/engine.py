@@ -27,6 +27,7 @@ import logging
 import operator
 import os
 import queue
+import re
 import secrets
 import struct
 import threading
@@ -357,10 +358,27 @@ def _buffer_view(obj):
                                 "__cuda_array_interface__ or __dlpack__") from None
     if not view.c_contiguous:
         raise fi.UsageError("register a contiguous buffer")
+    if _holds_references(obj, view):
+        dtype = getattr(obj, "dtype", f"format {view.format!r}")
+        raise fi.UsageError(f"cannot register this {type(obj).__name__} ({dtype}): its items hold references to "
+                            "Python objects (dtype object, or a structured dtype with an object field at any depth), "
+                            "pointers the interpreter owns; a peer's write over them crashes this process, and a "
+                            "write of them sends addresses that mean nothing there. Register the data itself "
+                            "instead: a numeric array, e.g. np.asarray(values, dtype=np.float64), or bytes")
     array = np.frombuffer(view.cast("B"), dtype=np.uint8)
     if array.size == 0:
         raise fi.UsageError("cannot register an empty buffer")
     return "host", array.ctypes.data, array.size, 0, (obj, array), view.readonly
+
+
+def _holds_references(obj, view: memoryview) -> bool:
+    """Whether a buffer's items are (or contain, at any depth) PyObject pointers: numpy says so of its dtypes
+    (``hasobject``); any other exporter through its PEP 3118 format, where "O" is an object once the field
+    names (between colons) are taken out."""
+    dtype = getattr(obj, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        return dtype.hasobject
+    return "O" in re.sub(r":[^:]*:", "", view.format)
 
 
 def _has_buffer(obj) -> bool:
@@ -847,7 +865,8 @@ class Engine:
     def register(self, buffer) -> Region:
         """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch, numba:
         through ``__cuda_array_interface__``), DLPack tensor or capsule (host or CUDA) with every NIC. A
-        read-only buffer can be written from but not into. ``Region.path`` says how: "host",
+        read-only buffer can be written from but not into; one whose items hold references to Python objects
+        (dtype object, or a structured dtype with such a field) is refused. ``Region.path`` says how: "host",
         "cuda-direct" (FI_HMEM) or "cuda-staged" (through the staging pool as a source, the landing lanes as a
         target)."""
         self._service.check_open()
