@@ -59,7 +59,7 @@ _FILLED_BODY = struct.Struct("<IHII")   # region id, lane, imm, pages (entries f
 FILLED_HEAD = _HEAD.size + _FILLED_BODY.size
 _LANE = struct.Struct("<H")
 _REFUSED_BODY = struct.Struct("<HB")     # lane (NO_LANE: the whole request), why (index in WHY; text follows)
-WHY = ("closed", "cuda", "timeout")      # staging.FAILURES' names, as the writer's failure_type takes them
+WHY = ("closed", "cuda", "timeout", "engine")  # staging.FAILURES' names, as the writer's failure_type takes them
 
 
 def max_lanes(pool_bytes: int, lane_bytes: int) -> tuple[int, int]:
@@ -256,6 +256,7 @@ class _Lane:
     imm: int = 0
     entries: np.ndarray | None = None  # FILLED's (destination, length) pages, once filled
     copier: object = None               # copying with it, once the pages have arrived
+    holds_count: bool = False           # holds imm's place in the engine's count until the lane is free
 
 
 @dataclass(eq=False)
@@ -511,8 +512,10 @@ class Landing:
         """Back to the pool; arrivals of its writes counted and not taken are dropped."""
         if refuse is not None:
             self._refuse(lane.owner, lane.number, *refuse)
-        self.native.drain_immediates(_native.lane_imm(lane.number))
-        lane.owner, lane.region, lane.entries, lane.copier = None, None, None, None
+        self.native.drain_lane(lane.number)
+        if lane.holds_count:
+            self.native.release_immediates(lane.imm)
+        lane.owner, lane.region, lane.entries, lane.copier, lane.holds_count = None, None, None, None, False
         self.free.append(lane.number)
 
     def _copier(self, kind: str):
@@ -529,8 +532,7 @@ class Landing:
                 continue
             if lane.copier is not None:
                 busy |= self._finish_copy(lane)
-            elif lane.entries is not None and self.native.take_immediates(_native.lane_imm(lane.number),
-                                                                          lane.entries.size):
+            elif lane.entries is not None and self.native.take_lane(lane.number, lane.entries.size):
                 self._start_copy(lane)
                 busy = True
             elif now > lane.lease_ends:
@@ -539,11 +541,20 @@ class Landing:
                 busy = True
         return busy
 
+    def _end_copy(self, lane: _Lane, refuse: tuple | None = None) -> None:
+        """The lane's copy is over (done or failed), once: it writes into its region no more; back to the pool."""
+        lane.region.state.in_use -= 1
+        self._free_lane(lane, refuse)
+
     def _start_copy(self, lane: _Lane) -> None:
         region = lane.region
         if region.state.closed:
             self._free_lane(lane, refuse=("closed", f"region {region.region_id} was closed while the transfer "
                                                     "landed"))
+            return
+        why = self._hold_count(lane)
+        if why:
+            self._free_lane(lane, refuse=("engine", why))
             return
         try:
             copier = self._copier(region.kind)
@@ -561,22 +572,31 @@ class Landing:
             return
         lane.copier = copier
 
+    def _hold_count(self, lane: _Lane) -> str | None:
+        """Hold the place of the lane's imm (if any) in the engine's count until the lane is free, so that its
+        pages, once copied, count for certain: why not, when that cannot be."""
+        status = _native.IMM_OK if lane.imm == _native.NO_IMM else self.native.await_immediates(lane.imm, False)
+        lane.holds_count = status == _native.IMM_OK and lane.imm != _native.NO_IMM
+        if status == _native.IMM_BAD:
+            return f"imm {lane.imm} is not a value the target counts (at most {_native.MAX_IMM})"
+        return None if status == _native.IMM_OK else (
+            f"the target cannot count imm {lane.imm}: it already counts the most immediate values it counts at once "
+            f"({self.native.immediates_usage()['most']}), each awaited by an expect() or holding pages nobody took")
+
     def _finish_copy(self, lane: _Lane) -> bool:
         try:
             if not lane.copier.finished(lane.number):
                 return False
         except gpu.CudaError as exc:
-            lane.region.state.in_use -= 1
-            self._free_lane(lane, refuse=("cuda", f"the target could not copy to its GPU memory: {exc}"))
+            self._end_copy(lane, refuse=("cuda", f"the target could not copy to its GPU memory: {exc}"))
             return True
-        lane.region.state.in_use -= 1
-        pages = lane.entries.size
-        self.native.credit_immediates(lane.imm, pages)
+        if lane.holds_count:  # its place is held: this counts (or, past FL_IMM_MAX_COUNT, marks imm lost)
+            self.native.credit_immediates(lane.imm, lane.entries.size)
         self.native.wake()
         self.landed_bytes += int(lane.entries["length"].sum())
         self.landed_lanes += 1
         owner, number = lane.owner, lane.number
-        self._free_lane(lane)
+        self._end_copy(lane)
         self._reply(owner, _COPIED, _LANE.pack(number))
         return True
 

@@ -191,4 +191,10 @@ FL_INTERNAL void reroute_dead_paths(thread_ctx *t, int nic_index, int stalled);
 FL_INTERNAL void service_paths_down(thread_ctx *t, int nic_index);
 /* after a stop that left threads behind: free the service once they are gone (0), else how many remain */
 FL_INTERNAL int fl_service_release_stranded(fl_engine *e);
+
+/* ------------------------------------------ defined in imm.c: counting immediate data, for the core's reap */
+
+/* A write that landed carrying `imm`: 1 when it was counted (or its loss recorded), 0 when not ours to count. */
+FL_INTERNAL int count_imm(fl_engine *e, uint64_t imm);
+FL_INTERNAL void imm_detach(fl_engine *e);
 #endif
