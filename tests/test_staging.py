@@ -298,6 +298,9 @@ def test_a_staged_target_counts_one_value_per_request_beyond_4096(fabric, caplog
             lowest = min(lowest, region._state.in_use)
         assert lowest == 0 and region._state.in_use == 0
         assert target.stats()["immediates"]["values"] == 0
+        plain = target.register(np.zeros(PAGE, np.uint8))  # the target serves plain regions as before
+        assert peer.write_pages(src, [0], plain.descriptor(), [0], PAGE, imm=7).result(30).pages == 1
+        assert target.expect(7, 1).result(10) == 1
         assert "hit an error" not in caplog.text
 
 
