@@ -61,8 +61,10 @@ def write_and_expect(pair, values, batch=256):
 
 
 def test_one_value_per_request_beyond_4096_requests(pair):
-    """The 4097th request's expect() used to time out: the table never gave a slot back."""
-    write_and_expect(pair, range(6000))
+    """The 4097th request's expect() used to time out: the table never gave a slot back. Here 6,000 values are
+    counted at once (3,000 expect()s wait, then 6,000 writes land), then 6,000 more in batches."""
+    write_and_expect(pair, range(6000), batch=6000)
+    write_and_expect(pair, range(6000, 12000))
     assert pair.counted()["values"] == 0 and pair.counted()["lost"] == 0
 
 
