@@ -29,6 +29,12 @@ LANDING_VALUE = lib.FL_LANDING_VALUE
 MAX_LANES = (NO_IMM >> lib.FL_IMM_VALUE_BITS)
 
 
+# fl_imm_await / fl_imm_credit (native/imm.h): counted; every slot of the table held; arrivals of the value were
+# not counted (the table was full when they came); not a caller's value
+IMM_OK, IMM_FULL, IMM_LOST, IMM_BAD = lib.FL_IMM_OK, lib.FL_IMM_FULL, lib.FL_IMM_LOST, lib.FL_IMM_BAD
+MAX_IMM_COUNT = lib.FL_IMM_MAX_COUNT  # the most pages of one value the engine counts
+
+
 def lane_imm(lane: int) -> int:
     """The immediate data of writes into landing lane ``lane``."""
     return (lane << lib.FL_IMM_VALUE_BITS) | LANDING_VALUE
@@ -187,14 +193,12 @@ class NativeEngine:
         self._ptr.transfer_capacity = transfers
         return self._transfers
 
-    def attach_immediates(self, values: int) -> None:
-        """Count arriving immediate data, for :meth:`take_immediates`, in a table of ``values`` distinct
-        values (a power of two)."""
-        self._imm_keys = np.zeros(values, dtype=np.uint64)
-        self._imm_counts = np.zeros(values, dtype=np.uint64)
-        self._ptr.imm_keys = ffi.cast("uint64_t *", self._imm_keys.ctypes.data)
-        self._ptr.imm_counts = ffi.cast("uint64_t *", self._imm_counts.ctypes.data)
-        self._ptr.imm_capacity = values
+    def attach_immediates(self, most: int) -> None:
+        """Count arriving immediate data, for :meth:`take_immediates`: at most ``most`` values at once, each
+        awaited (:meth:`await_immediates`) or holding arrivals not taken yet."""
+        rc = lib.fl_imm_attach(self._ptr, most)
+        if rc:
+            raise fi.FabricError("fl_imm_attach", rc)
 
     def start_service(self, threads: int, batch: int, fi_more: bool, timeout: float, link_timeout: float,
                       cores: list[int], groups: list[int]) -> None:
@@ -270,18 +274,39 @@ class NativeEngine:
         """While on, an arrival of immediate data ends :meth:`wait` (someone waits for such arrivals)."""
         self._ptr.imm_watch = int(on)
 
+    def await_immediates(self, imm: int, report_lost: bool) -> int:
+        """Keep counting ``imm`` (arrivals before and after) until as many :meth:`release_immediates`: IMM_OK, or
+        IMM_FULL (not awaited: every value the table holds is awaited or holds arrivals nobody took). With
+        ``report_lost``, IMM_LOST (not awaited) when arrivals of ``imm`` came while the table was full: said once."""
+        return lib.fl_imm_await(self._ptr, imm, int(report_lost))
+
+    def release_immediates(self, imm: int) -> None:
+        lib.fl_imm_release(self._ptr, imm)
+
     def take_immediates(self, imm: int, count: int) -> bool:
-        """If at least ``count`` writes carrying ``imm`` have arrived, consume ``count`` of them: True."""
+        """If at least ``count`` pages carrying ``imm`` have arrived, consume ``count`` of them: True."""
         return bool(lib.fl_imm_take(self._ptr, imm, count))
 
-    def credit_immediates(self, imm: int, count: int) -> None:
-        """Count ``count`` more arrivals of ``imm`` (pages a staged target has copied to their place)."""
-        if not lib.fl_imm_credit(self._ptr, imm, count):
-            raise fi.UsageError(f"the table of awaited immediate data is full: imm {imm} cannot be counted")
+    def credit_immediates(self, imm: int, count: int) -> int:
+        """Count ``count`` more pages of ``imm`` (a staged target has copied them to their place): IMM_OK, or
+        IMM_LOST (not counted, and ``imm`` marked lost: the table was full)."""
+        return lib.fl_imm_credit(self._ptr, imm, count)
 
-    def drain_immediates(self, imm: int) -> int:
-        """Consume every arrival of ``imm`` counted so far; how many there were."""
-        return int(lib.fl_imm_drain(self._ptr, imm))
+    def take_lane(self, lane: int, count: int) -> bool:
+        """If at least ``count`` writes into landing lane ``lane`` have arrived, consume them: True."""
+        return bool(lib.fl_lane_take(self._ptr, lane, count))
+
+    def drain_lane(self, lane: int) -> int:
+        """Consume every write into landing lane ``lane`` counted so far; how many there were."""
+        return int(lib.fl_lane_drain(self._ptr, lane))
+
+    def immediates_usage(self) -> dict:
+        """The count of immediate data: values holding a slot now, the most that may, arrivals not counted
+        (the table was full), values marked lost not yet reported, and the last value lost."""
+        usage = ffi.new("fl_imm_usage *")
+        lib.fl_imm_usage_get(self._ptr, usage)
+        return {"values": int(usage.values), "most": int(usage.most), "lost": int(usage.lost),
+                "lost_values": int(usage.lost_values), "last_lost": int(usage.last_lost)}
 
     @property
     def stopping(self) -> bool:

@@ -51,7 +51,7 @@ LANE = struct.Struct("<H")
 REFUSED_BODY = struct.Struct("<HB")    # lane (NO_LANE: the whole transfer), why (index in WHY; text follows)
 JOB = struct.Struct("<Q")              # ALIVE: the writer's jobs, one after another
 ALIVE_JOBS = 512                       # jobs one ALIVE names at most (4 KiB: fits any provider's messages)
-WHY = ("closed", "cuda", "timeout", "invalid")  # staging.FAILURES' names (and "invalid": a message refused)
+WHY = ("closed", "cuda", "timeout", "invalid", "engine")  # staging.FAILURES' names ("invalid": a message refused)
 
 log = logging.getLogger("fabriclab")
 

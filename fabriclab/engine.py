@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import queue
+import re
 import secrets
 import struct
 import threading
@@ -51,8 +52,12 @@ __all__ = ["Engine", "Region", "Peer", "Transfer", "TransferResult", "FabriclabE
 
 TRANSFER_SLOTS = 1 << 16
 MAX_RENEWALS = 64  # fresh endpoints per NIC slot: a peer that keeps stalling them cannot exhaust file descriptors
-IMM_SLOTS = 1 << 12
+# Immediate values an engine counts at once: each awaited by an expect() or holding pages that arrived and
+# were not taken yet (a value's slot is given back once its count is taken and nothing awaits it): as many as
+# one writer engine can have transfers in flight, so a writer with one value per transfer never fills it.
+IMM_VALUES = TRANSFER_SLOTS
 DEFAULT_STRIPE = 1 << 20
+LOST_WARNING_S = 10.0  # the most often the engine warns of immediate data it could not count
 # How long Engine.close waits for its worker threads to leave the native engine. A healthy worker leaves
 # within microseconds; one that has not by then is stuck inside a provider call (shm spins for ever on a
 # lock its peer held when it was killed), and waiting longer would not help.
@@ -394,10 +399,27 @@ def _buffer_view(obj):
                                 "__cuda_array_interface__ or __dlpack__") from None
     if not view.c_contiguous:
         raise fi.UsageError("register a contiguous buffer")
+    if _holds_references(obj, view):
+        dtype = getattr(obj, "dtype", f"format {view.format!r}")
+        raise fi.UsageError(f"cannot register this {type(obj).__name__} ({dtype}): its items hold references to "
+                            "Python objects (dtype object, or a structured dtype with an object field at any depth), "
+                            "pointers the interpreter owns; a peer's write over them crashes this process, and a "
+                            "write of them sends addresses that mean nothing there. Register the data itself "
+                            "instead: a numeric array, e.g. np.asarray(values, dtype=np.float64), or bytes")
     array = np.frombuffer(view.cast("B"), dtype=np.uint8)
     if array.size == 0:
         raise fi.UsageError("cannot register an empty buffer")
     return "host", array.ctypes.data, array.size, 0, (obj, array), view.readonly
+
+
+def _holds_references(obj, view: memoryview) -> bool:
+    """Whether a buffer's items are (or contain, at any depth) PyObject pointers: numpy says so of its dtypes
+    (``hasobject``); any other exporter through its PEP 3118 format, where "O" is an object once the field
+    names (between colons) are taken out."""
+    dtype = getattr(obj, "dtype", None)
+    if isinstance(dtype, np.dtype):
+        return dtype.hasobject
+    return "O" in re.sub(r":[^:]*:", "", view.format)
 
 
 def _has_buffer(obj) -> bool:
@@ -940,7 +962,8 @@ class Engine:
     def register(self, buffer) -> Region:
         """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch, numba:
         through ``__cuda_array_interface__``), DLPack tensor or capsule (host or CUDA) with every NIC. A
-        read-only buffer can be written from but not into. ``Region.path`` says how: "host",
+        read-only buffer can be written from but not into; one whose items hold references to Python objects
+        (dtype object, or a structured dtype with such a field) is refused. ``Region.path`` says how: "host",
         "cuda-direct" (FI_HMEM) or "cuda-staged" (through the staging pool as a source, the landing lanes as a
         target)."""
         self._service.check_open()
@@ -1002,10 +1025,16 @@ class Engine:
         """A future that completes when ``count`` pages carrying ``imm`` have landed here (counted, never
         ordered; arrivals before the call count too, and are consumed by it). A page is a page of
         :meth:`Peer.write_pages` (however the writer coalesced them) or a piece of :meth:`Peer.write`. ``imm`` is at most
-        MAX_IMM (2**24 - 2)."""
+        MAX_IMM (2**24 - 2), ``count`` at most 2**40 - 1.
+
+        The engine counts at most IMM_VALUES values at once: those awaited, and those holding pages that
+        arrived before (or after) their expect() and were not taken yet. A value frees its place once its count
+        is taken and no expect() awaits it. Beyond that, expect() raises UsageError; and pages of a value that
+        arrive then are not counted: the next expect() of that value raises UsageError saying so, and the engine
+        logs a warning (``stats()["immediates"]["lost"]`` counts them)."""
         self._service.check_open()
         imm = _integer(imm, "imm", 0, _native.MAX_IMM)
-        count = _integer(count, "count", 1, 2 ** 63 - 1)
+        count = _integer(count, "count", 1, _native.MAX_IMM_COUNT)
         return self._service.expect(imm, count, fi.seconds(timeout, "timeout", self.timeout))
 
     def stats(self) -> dict:
@@ -1014,8 +1043,10 @@ class Engine:
         posted once more after failing right after a revival, ``"renewals"``: fresh endpoints; ``"down"``:
         why paths were last marked down) and what is in flight; "layout": the NIC slots and threads and
         whether defaults chose them, the worker group of each slot; "submitted": transfers, pages asked
-        for and the writes they became (contiguous pages coalesced). After ``close()``, the last snapshot,
-        with ``closed: True``."""
+        for and the writes they became (contiguous pages coalesced); "immediates": the count behind
+        :meth:`expect` (values holding a place now, the most that may, arrivals not counted because it was
+        full, values of those not yet reported by an expect(), the last such value). After ``close()``, the last
+        snapshot, with ``closed: True``."""
         return self._service.stats()
 
     def close(self) -> None:
@@ -1090,7 +1121,7 @@ class _Service:
         try:
             self.native = _native.NativeEngine(self.nics)
             self.transfers = self.native.attach_transfers(TRANSFER_SLOTS)
-            self.native.attach_immediates(IMM_SLOTS)
+            self.native.attach_immediates(IMM_VALUES)
             if in_flight is not None:
                 self.native.limit_in_flight(in_flight)
             self.threads = threads or min(self.layout.threads, len(self.nics.slots))
@@ -1121,6 +1152,7 @@ class _Service:
         self.free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
         self.in_use: dict[int, tuple[Transfer, _RegionState, np.ndarray]] = {}
         self.expectations: list[tuple[int, int, concurrent.futures.Future, float]] = []
+        self.lost_warned = (0, -LOST_WARNING_S)  # immediate data not counted, as last warned of; when
         self.retired_regions: list[_RegionState] = []
         self.next_deadline = float("inf")  # the earliest deadline the reaper has to look at
         self.max_msg_size = min(s.info.max_msg_size for s in self.nics.slots)
@@ -1211,9 +1243,25 @@ class _Service:
     def expect(self, imm: int, count: int, timeout: float) -> concurrent.futures.Future:
         future = _AwaitableFuture()
         deadline = time.monotonic() + timeout
-        with self.lock:
-            self.expectations.append((imm, count, future, deadline))
-            self.next_deadline = min(self.next_deadline, deadline)
+        with self.lock:  # the native engine is freed under it, once closed
+            self.check_open()
+            status = self.native.await_immediates(imm, report_lost=True)
+            if status == _native.IMM_OK:
+                self.expectations.append((imm, count, future, deadline))
+                self.next_deadline = min(self.next_deadline, deadline)
+        if status != _native.IMM_OK:
+            usage = self.native.immediates_usage()
+            if status == _native.IMM_LOST:
+                raise fi.UsageError(
+                    f"pages carrying imm {imm} arrived while this engine already counted the most immediate values "
+                    f"it counts at once ({usage['most']}, each awaited by an expect() or holding pages nobody took): "
+                    f"they were not counted, so expect({imm}, {count}) could never complete. expect() every value "
+                    "peers write into this engine (taking a value's count frees its place)")
+            raise fi.UsageError(
+                f"expect({imm}, {count}) cannot be counted: this engine counts at most {usage['most']} immediate "
+                f"values at once, and {usage['values']} are awaited by an expect() or hold pages that arrived and "
+                "were never taken. expect() the values peers write (taking a value's count frees its place), or "
+                "wait for some expectations to finish before adding more")
         self.native.watch_immediates(True)
         self.native.wake()
         return future
@@ -1234,8 +1282,8 @@ class _Service:
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
                 "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
                 "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
-                "expectations": expecting, "per_nic": per_nic, "staging": self._staging_stats(), "closed": False,
-                "stranded_threads": 0}
+                "expectations": expecting, "immediates": self.native.immediates_usage(), "per_nic": per_nic,
+                "staging": self._staging_stats(), "closed": False, "stranded_threads": 0}
 
     def _staging_stats(self) -> dict:
         """The staging pool and the landing lanes: their sizes, and what went through them (zeros until a
@@ -1539,7 +1587,8 @@ class _Service:
         return {"provider": self.provider, "nics": len(self.nics.slots), "emulated_nics": self.emulated,
                 "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
                 "transfers_in_flight": 0, "abandoned_in_flight": 0, "expectations": 0,
-                "per_nic": self.native.counters(), "staging": self._staging_stats()}
+                "immediates": self.native.immediates_usage(), "per_nic": self.native.counters(),
+                "staging": self._staging_stats()}
 
     def _reap(self) -> None:
         """Resolve futures as the native engine reports transfers finished (it wakes this thread, which
@@ -1563,6 +1612,7 @@ class _Service:
                 for item in expectations:
                     self._guarded(self._check_expectation, item, now)
                 self._retire_regions()
+                self._warn_of_lost_counts(now)
             except Exception:  # a bug of ours: keep serving the other transfers, and say so
                 logging.getLogger("fabriclab").exception("the engine's reaper hit an error; it goes on")
                 time.sleep(0.01)
@@ -1613,15 +1663,30 @@ class _Service:
         done = self.native.take_immediates(imm, count)
         if done or now > deadline or future.cancelled():
             with self.lock:
-                if item in self.expectations:
-                    self.expectations.remove(item)
+                if item not in self.expectations:
+                    return  # already ended
+                self.expectations.remove(item)
                 if not self.expectations:
                     self.native.watch_immediates(False)
+            self.native.release_immediates(imm)  # its value's place goes back once nothing else holds it
             if done:
                 future.set_result(count)
             elif not future.cancelled():
                 future.set_exception(TransferTimeout(f"{count} writes carrying imm {imm} did not all arrive in time",
                                                      buffer_safe=True, about_buffer=False))
+
+    def _warn_of_lost_counts(self, now: float) -> None:
+        """Say so when pages arrived that could not be counted (at most every LOST_WARNING_S seconds)."""
+        if now < self.lost_warned[1] + LOST_WARNING_S:
+            return
+        usage = self.native.immediates_usage()
+        if usage["lost"] > self.lost_warned[0]:
+            logging.getLogger("fabriclab").warning(
+                "%d arrival(s) of immediate data could not be counted (the last carried imm %d): this engine "
+                "already counted the most values it counts at once (%d), each awaited by an expect() or holding "
+                "pages nobody took. expect() of such a value raises UsageError; expect() every value peers write",
+                usage["lost"] - self.lost_warned[0], usage["last_lost"], usage["most"])
+            self.lost_warned = (usage["lost"], now)
 
     def _expire(self, now: float) -> None:
         """Fail pending transfers whose deadline passed or whose region was closed; their ids stay in use

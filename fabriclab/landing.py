@@ -98,6 +98,7 @@ class _Lane:
     pages: int = 0
     copies: tuple | None = None  # FILLED's pages as checked_copies, once filled
     copier: object = None        # copying with it, once the pages have arrived
+    holds_count: bool = False    # holds imm's place in the engine's count until the lane is free
 
 
 # -------------------------------------------------------------------------------- writers' jobs
@@ -431,8 +432,10 @@ class Landing:
         """Back to the pool; arrivals of its writes counted and not taken are dropped. The owner's transfer
         ends once it holds no lane and waits for none."""
         client = lane.owner
-        self.native.drain_immediates(_native.lane_imm(lane.number))
-        lane.owner, lane.region, lane.copies, lane.copier = None, None, None, None
+        self.native.drain_lane(lane.number)
+        if lane.holds_count:
+            self.native.release_immediates(lane.imm)
+        lane.owner, lane.region, lane.copies, lane.copier, lane.holds_count = None, None, None, None, False
         self.free.append(lane.number)
         client.lanes.discard(lane.number)
         if not client.lanes and not client.wanted:
@@ -470,7 +473,7 @@ class Landing:
                 continue
             if lane.copier is not None:
                 busy |= self._finish_copy(lane)
-            elif lane.copies is not None and self.native.take_immediates(_native.lane_imm(lane.number), lane.pages):
+            elif lane.copies is not None and self.native.take_lane(lane.number, lane.pages):
                 self._start_copy(lane)
                 busy = True
             elif now > lane.lease_ends:
@@ -490,6 +493,10 @@ class Landing:
         if region.state.closed:
             self._drop(lane.owner, ("closed", f"region {region.region_id} was closed while the transfer landed"))
             return
+        why = self._hold_count(lane)
+        if why:
+            self._drop(lane.owner, ("engine", why))
+            return
         try:
             copier = self._copier(region.kind)
             if region.kind == "cuda":
@@ -506,6 +513,17 @@ class Landing:
             return
         lane.copier = copier
 
+    def _hold_count(self, lane: _Lane) -> str | None:
+        """Hold the place of the lane's imm (if any) in the engine's count until the lane is free, so that its
+        pages, once copied, count for certain: why not, when that cannot be."""
+        status = _native.IMM_OK if lane.imm == _native.NO_IMM else self.native.await_immediates(lane.imm, False)
+        lane.holds_count = status == _native.IMM_OK and lane.imm != _native.NO_IMM
+        if status == _native.IMM_BAD:
+            return f"imm {lane.imm} is not a value the target counts (at most {_native.MAX_IMM})"
+        return None if status == _native.IMM_OK else (
+            f"the target cannot count imm {lane.imm}: it already counts the most immediate values it counts at once "
+            f"({self.native.immediates_usage()['most']}), each awaited by an expect() or holding pages nobody took")
+
     def _finish_copy(self, lane: _Lane) -> bool:
         try:
             if not lane.copier.finished(lane.number):
@@ -515,8 +533,9 @@ class Landing:
             lane.copier = None  # done with it: the lane goes back with the others
             self._drop(lane.owner, ("cuda", f"the target could not copy to its GPU memory: {exc}"))
             return True
+        if lane.holds_count:  # its place is held: this counts (or, past FL_IMM_MAX_COUNT, marks imm lost)
+            self.native.credit_immediates(lane.imm, lane.pages)
         lane.region.state.in_use -= 1
-        self.native.credit_immediates(lane.imm, lane.pages)
         self.native.wake()
         self.landed_bytes += int(lane.copies[2].sum())
         self.landed_lanes += 1

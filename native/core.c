@@ -69,6 +69,7 @@ int fl_engine_free(fl_engine *e) {
     }
     if (st) free(st->nics);
     free(st);
+    imm_detach(e);
     free(e->nics);
     free(e);
     return 0;
@@ -255,65 +256,6 @@ void transfer_done(fl_engine *e, uint32_t transfer, int error) {
 
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes) {
     transfer_finished_writes(e, transfer, (int64_t)writes);
-}
-
-/* The slot of `key` (an immediate value + 1) in the arrival table; with `create`, claimed when missing.
- * -1 when it is not there (or the table is full). */
-static int64_t imm_slot(fl_engine *e, uint64_t imm, int create) {
-    uint64_t key = imm + 1, mask = e->imm_capacity - 1;
-    for (uint64_t probe = 0; probe <= mask; probe++) {
-        uint64_t i = (imm * 0x9E3779B97F4A7C15ull + probe) & mask;
-        uint64_t seen = __atomic_load_n(&e->imm_keys[i], __ATOMIC_ACQUIRE);
-        if (seen == 0 && create && __atomic_compare_exchange_n(&e->imm_keys[i], &seen, key, 0, __ATOMIC_ACQ_REL,
-                                                               __ATOMIC_ACQUIRE))
-            seen = key;
-        if (seen == 0) return -1;
-        if (seen == key) return (int64_t)i;
-    }
-    return -1;
-}
-
-/* 1 when the immediate data was one somebody may wait for. A write counts as the pages it carries; a write
- * into a staged target's landing lane (FL_LANDING_VALUE) counts once, under its whole value (lane included),
- * never as a caller's pages. */
-static int count_imm(fl_engine *e, uint64_t imm) {
-    if (!e->imm_keys || imm == FL_NO_IMM) return 0;
-    uint64_t pages = 1;
-    if ((imm & ((1ull << FL_IMM_VALUE_BITS) - 1)) != FL_LANDING_VALUE) {
-        pages = (imm >> FL_IMM_VALUE_BITS) + 1;
-        imm &= (1ull << FL_IMM_VALUE_BITS) - 1;
-    }
-    int64_t i = imm_slot(e, imm, 1);
-    if (i < 0) return 0;
-    __atomic_fetch_add(&e->imm_counts[i], pages, __ATOMIC_RELEASE);
-    return 1;
-}
-
-int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count) {
-    if (!e->imm_keys) return 0;
-    int64_t i = imm_slot(e, imm, 0);
-    if (i < 0) return 0;
-    uint64_t have = __atomic_load_n(&e->imm_counts[i], __ATOMIC_ACQUIRE);
-    while (have >= count) {
-        if (__atomic_compare_exchange_n(&e->imm_counts[i], &have, have - count, 0, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_ACQUIRE))
-            return 1;
-    }
-    return 0;
-}
-
-int fl_imm_credit(fl_engine *e, uint64_t imm, uint64_t count) {
-    if (!e->imm_keys) return 0;
-    int64_t i = imm_slot(e, imm, 1);
-    if (i < 0) return 0;
-    __atomic_fetch_add(&e->imm_counts[i], count, __ATOMIC_RELEASE);
-    return 1;
-}
-
-uint64_t fl_imm_drain(fl_engine *e, uint64_t imm) {
-    if (!e->imm_keys) return 0;
-    int64_t i = imm_slot(e, imm, 0);
-    return i < 0 ? 0 : __atomic_exchange_n(&e->imm_counts[i], 0, __ATOMIC_ACQ_REL);
 }
 
 /* Reap every completion waiting on a NIC's queue; returns how many, or -1 on error. Never posts. */

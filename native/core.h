@@ -142,11 +142,10 @@ typedef struct fl_engine {
     /* service mode (fabriclab.Engine): per transfer id, FL_TRANSFER_FIELDS counters: writes still to
      * finish, the first error (negative), and writes given up on that the provider may still be reading
      * (a transfer is buffer-safe only once both counts are 0); arrivals carrying immediate data are counted per
-     * value in an open-addressing table (keys stored as imm + 1; 0 = empty). */
+     * value (imm.h: NULL until fl_imm_attach). */
     volatile int64_t *transfers;
     uint32_t transfer_capacity;
-    volatile uint64_t *imm_keys, *imm_counts;
-    uint32_t imm_capacity;   /* a power of two */
+    void *imms;
     volatile int imm_watch;  /* someone waits for immediate data: wake fl_service_wait when it arrives */
     volatile uint32_t revive_epoch; /* bumped when a peer connects (fl_service_revive): service workers forget
                                      * dead paths and swap in the endpoints fl_nic_renew handed over */
@@ -160,10 +159,5 @@ int fl_engine_free(fl_engine *e);
 uint64_t fl_now_ns(void);
 /* `writes` of a transfer will never be posted (its submission was given up): count them as finished. */
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
-/* If at least `count` writes carrying `imm` have arrived, consume them and return 1; else 0. */
-int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
-/* Count `count` more arrivals of `imm` (pages a staged target copied to the GPU): 1, or 0 if the table is full. */
-int fl_imm_credit(fl_engine *e, uint64_t imm, uint64_t count);
-/* Consume every arrival of `imm` counted so far; returns how many (a landing lane given back after a failure). */
-uint64_t fl_imm_drain(fl_engine *e, uint64_t imm);
+#include "imm.h"
 #endif

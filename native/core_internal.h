@@ -211,4 +211,10 @@ FL_INTERNAL void wake_worker(engine_state *st, int w);
 /* where a transfer of fewer writes than NICs starts: the first NIC, from `turn` on in the request's order,
  * whose worker is awake; `turn` when all rest (any NIC reaches the peer: the request routes each) */
 FL_INTERNAL uint32_t awake_turn(const fl_engine *e, const struct fl_request *r, uint32_t turn, uint32_t span);
+
+/* ------------------------------------------ defined in imm.c: counting immediate data, for the core's reap */
+
+/* A write that landed carrying `imm`: 1 when it was counted (or its loss recorded), 0 when not ours to count. */
+FL_INTERNAL int count_imm(fl_engine *e, uint64_t imm);
+FL_INTERNAL void imm_detach(fl_engine *e);
 #endif

@@ -268,7 +268,7 @@ typedef struct fl_engine {
     int (*stage_set_context)(void *context);
     void *stage_context;
     volatile int64_t *transfers; uint32_t transfer_capacity;
-    volatile uint64_t *imm_keys, *imm_counts; uint32_t imm_capacity; volatile int imm_watch;
+    void *imms; volatile int imm_watch;
     volatile uint32_t revive_epoch;
     ...;
 } fl_engine;
@@ -276,9 +276,18 @@ fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
 int fl_engine_free(fl_engine *e);
 uint64_t fl_now_ns(void);
 void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
-int fl_imm_take(fl_engine *e, uint64_t imm, uint64_t count);
-int fl_imm_credit(fl_engine *e, uint64_t imm, uint64_t count);
-uint64_t fl_imm_drain(fl_engine *e, uint64_t imm);
+#define FL_IMM_MAX_COUNT ...
+#define FL_IMM_LANES ...
+enum fl_imm_status { FL_IMM_OK, FL_IMM_FULL, FL_IMM_LOST, FL_IMM_BAD, ... };
+typedef struct fl_imm_usage { uint64_t values, most, lost, lost_values, last_lost; } fl_imm_usage;
+int fl_imm_attach(fl_engine *e, uint32_t most);
+int fl_imm_await(fl_engine *e, uint32_t value, int report_lost);
+void fl_imm_release(fl_engine *e, uint32_t value);
+int fl_imm_take(fl_engine *e, uint32_t value, uint64_t count);
+int fl_imm_credit(fl_engine *e, uint32_t value, uint64_t count);
+int fl_lane_take(fl_engine *e, uint32_t lane, uint64_t count);
+uint64_t fl_lane_drain(fl_engine *e, uint32_t lane);
+void fl_imm_usage_get(fl_engine *e, fl_imm_usage *out);
 
 /* ------------------------------------------------------------- the course's run loops (course.h) */
 int fl_write_run(fl_engine *e, const fl_config *cfg);

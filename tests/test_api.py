@@ -317,6 +317,19 @@ def test_registration_accepts_buffers_and_refuses_the_rest(engine):
         source.descriptor()
 
 
+def test_arrays_of_references_are_refused_as_regions(engine):
+    """Issue 21, item 2: an object array holds pointers to Python objects; a peer's write over them (or a write
+    of them to a peer) is a crash waiting to happen, so no dtype holding references registers, at any depth."""
+    nested = np.dtype([("id", "<i4"), ("inner", [("x", "<f8"), ("ref", "O")])])
+    for bad in (np.empty(8, dtype=object), np.zeros(4, dtype=[("a", "<i4"), ("b", "O")]), np.zeros(3, dtype=nested),
+                np.zeros(2, dtype=("O", (3,))), memoryview(np.empty(8, dtype=object)),
+                np.zeros(4, dtype=np.dtype([("a", "<i4"), ("b", "O")], align=True))):
+        with pytest.raises(fi.UsageError, match="(?s)references to Python objects.*Register the data itself"):
+            engine.register(bad)
+    # a field merely named with an O holds no reference
+    engine.register(np.zeros(4, dtype=[("Oo", "<i4"), ("O", "<f8")])).close()
+
+
 def test_lifecycles_do_not_leak():
     def cycle():
         with Engine("shm", pin=False) as a, Engine("shm", pin=False) as b:

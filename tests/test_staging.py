@@ -3,6 +3,7 @@ direct path where it has it; staged targets (landing lanes, fabriclab.landing). 
 torch with CUDA; the others run anywhere: there a staged target in host memory (Engine._register_staged_host,
 copied with memmove) runs the landing protocol for real."""
 import hashlib
+import logging
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 from fabriclab import (Engine, PeerLost, RegionClosed, StagingFailed, TransferError, TransferTimeout, bootstrap, fi,
                        gpu, landing, lanecopy, memory, staging)
+from fabriclab import engine as engine_module
 from fabriclab.nics import NicSet
 from test_api import PeerProcess
 
@@ -267,6 +269,64 @@ def test_a_writer_stopped_past_its_lease_never_mixes_into_the_next_owners_lanes(
         finally:
             stopped.kill()
             stopped.wait(10)
+
+
+def write_one_value_each(target, peer, src, descriptor, values, batch=32):
+    """One one-page transfer per value (imm = the value, as a request id is) into a staged target's pages,
+    each expected (every other expect() before its write)."""
+    for first in range(0, len(values), batch):
+        chunk = values[first:first + batch]
+        early = [target.expect(v, 1) for v in chunk if v % 2]
+        for transfer in [peer.write_pages(src, [0], descriptor, [v % 16], PAGE, imm=v) for v in chunk]:
+            assert transfer.result(30).pages == 1
+        late = [target.expect(v, 1) for v in chunk if v % 2 == 0]
+        assert [e.result(30) for e in early + late] == [1] * len(chunk)
+
+
+def test_a_staged_target_counts_one_value_per_request_beyond_4096(fabric, caplog):
+    """Issue 21, item 3: with imm = request id, the 4093rd transfer into a staged target timed out, its landing
+    thread looped on "the table of awaited immediate data is full" (thousands of logged errors) and the
+    region's in_use went negative, so that Region.close stopped waiting for copies."""
+    with staged_target(fabric, staging_bytes=16 * PAGE, staging_chunk_bytes=PAGE) as target, \
+            writer_engine(fabric) as writer, caplog.at_level(logging.ERROR, logger="fabriclab"):
+        region = target._register_staged_host(np.zeros(16 * PAGE, np.uint8))
+        peer = writer.connect(target.address)
+        src, descriptor = writer.register(np.full(PAGE, 3, np.uint8)), region.descriptor()
+        lowest = 0
+        for first in range(0, 5000, 500):
+            write_one_value_each(target, peer, src, descriptor, list(range(first, first + 500)))
+            lowest = min(lowest, region._state.in_use)
+        assert lowest == 0 and region._state.in_use == 0
+        assert target.stats()["immediates"]["values"] == 0
+        plain = target.register(np.zeros(PAGE, np.uint8))  # the target serves plain regions as before
+        assert peer.write_pages(src, [0], plain.descriptor(), [0], PAGE, imm=7).result(30).pages == 1
+        assert target.expect(7, 1).result(10) == 1
+        assert "hit an error" not in caplog.text
+
+
+def test_a_staged_target_whose_count_is_full_refuses_the_write_and_stays_whole(fabric, monkeypatch, caplog):
+    """A value the target cannot count (every place held by values nobody took) fails the writer's transfer
+    with the reason before anything is copied, never loops, never loses a count; once values are taken their
+    places serve new ones, and writes without a value land all along."""
+    monkeypatch.setattr(engine_module, "IMM_VALUES", 2)
+    with staged_target(fabric) as target, writer_engine(fabric) as writer, \
+            caplog.at_level(logging.ERROR, logger="fabriclab"):
+        landed = np.zeros(4 * PAGE, np.uint8)
+        region = target._register_staged_host(landed)
+        peer = writer.connect(target.address)
+        src, descriptor = writer.register(np.full(PAGE, 3, np.uint8)), region.descriptor()
+        for imm in (0, 1):  # nobody expects them yet: each holds a place
+            peer.write_pages(src, [0], descriptor, [imm], PAGE, imm=imm).result(30)
+        with pytest.raises(TransferError, match="cannot count imm 2: .* at once \\(2\\)") as refused:
+            peer.write_pages(src, [0], descriptor, [2], PAGE, imm=2).result(30)
+        assert refused.value.buffer_safe and not landed[2 * PAGE:3 * PAGE].any()  # refused before any copy
+        assert peer.write_pages(src, [0], descriptor, [3], PAGE).result(30).pages == 1  # no value: lands
+        assert region._state.in_use == 0 and target.stats()["immediates"]["lost"] == 0
+        assert target.expect(0, 1).result(10) == 1  # a place comes back
+        peer.write_pages(src, [0], descriptor, [2], PAGE, imm=2).result(30)
+        assert target.expect(2, 1).result(10) == 1 and target.expect(1, 1).result(10) == 1
+        assert np.all(landed == 3) and target.stats()["immediates"]["values"] == 0
+        assert "hit an error" not in caplog.text
 
 
 # ------------------------------------------------------------------------------------- with a GPU
