@@ -69,6 +69,7 @@
 #define SIM_ERRS 256
 #define SIM_VOUCH_NS 1000000ull         /* a look that finds a peer's process alive vouches for it this long (1 ms) */
 #define SIM_ERR_TEXT 256                 /* an error completion's text (max_err_data) */
+#define SIM_HELD UINT64_MAX              /* tx_start_ns of an operation posted with FI_MORE, until the doorbell */
 #define SIM_XSTR(x) #x
 #define SIM_STR(x) SIM_XSTR(x)
 
@@ -232,6 +233,7 @@ struct sim_ep {
     atomic_flag lock; /* posting and progress of one endpoint from several threads (FI_THREAD_SAFE) */
     struct sim_pending tx[SIM_TX];
     uint64_t tx_head, tx_sent, tx_tail; /* completed | left the NIC | waiting for the line | free */
+    uint64_t tx_held;                   /* from it to tx_tail: posted with FI_MORE, the doorbell not rung yet */
     struct sim_recv rx[SIM_RX];
     uint64_t rx_head, rx_tail;
     uint64_t last_due_ns;             /* local completions come in posting order */

@@ -91,7 +91,7 @@ void sim_send_due(struct sim_ep *ep, uint64_t now) {
 }
 
 static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t count, fi_addr_t dest, uint64_t raddr,
-                    uint64_t key, uint64_t data, void *context, uint64_t flags) {
+                    uint64_t key, uint64_t data, void *context, uint64_t flags, uint64_t now) {
     /* FI_REMOTE_CQ_DATA rides along: a send with it announces a message with immediate data */
     uint64_t op_flags = (kind == SIM_KIND_SEND ? FI_MSG | FI_SEND : FI_RMA | FI_WRITE) |
                         (flags & (FI_COMPLETION | FI_REMOTE_CQ_DATA));
@@ -101,7 +101,6 @@ static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t
     struct sim_peer *peer = &ep->av->peers[dest];
     if (!peer->seg) return peer->gone ? refuse(ep, context, op_flags, len, FI_EHOSTUNREACH) : -FI_EINVAL; /* removed */
     if (ep->tx_tail - ep->tx_head >= SIM_TX) return -FI_EAGAIN;
-    uint64_t now = sim_now_ns();
     if (sim_peer_known_dead(peer, now)) return refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
     if (kind == SIM_KIND_SEND && len > SIM_DATA_BYTES) return -FI_EMSGSIZE;
     int err = kind == SIM_KIND_SEND ? 0 : check_remote(peer, raddr, len, key);
@@ -122,10 +121,22 @@ static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t
             return refuse(ep, context, op_flags, len, errno == EPERM ? FI_EPERM : FI_EIO);
         }
     }
-    t.tx_start_ns = sim_occupy_tx(ep->domain, len, now);
+    t.tx_start_ns = SIM_HELD; /* it takes the line when the doorbell rings (ring_doorbell) */
     ep->tx[ep->tx_tail++ % SIM_TX] = t;
-    sim_send_due(ep, now);
     return 0;
+}
+
+/* FI_MORE holds the doorbell, as on EFA's write path: an operation posted with it waits in the NIC's queue,
+ * not on the line, until a transmit post without it is taken on this endpoint; then every waiting one takes
+ * the transmit line, in posting order. A run of FI_MORE posts never followed by one without it never leaves
+ * (the flush an engine forgets hangs here as on a p5). */
+static void ring_doorbell(struct sim_ep *ep, uint64_t now) {
+    if (ep->tx_held < ep->tx_head) ep->tx_held = ep->tx_head; /* held ones completed with an error (peer gone) */
+    for (; ep->tx_held != ep->tx_tail; ep->tx_held++) {
+        struct sim_pending *t = &ep->tx[ep->tx_held % SIM_TX];
+        if (!t->err) t->tx_start_ns = sim_occupy_tx(ep->domain, t->len, now);
+    }
+    sim_send_due(ep, now);
 }
 
 static ssize_t locked_post(struct fid_ep *fid, int kind, const struct iovec *iov, size_t count, fi_addr_t dest,
@@ -134,7 +145,9 @@ static ssize_t locked_post(struct fid_ep *fid, int kind, const struct iovec *iov
     if (count > SIM_IOV || (count && !iov)) return -FI_EINVAL; /* iov_limit */
     if ((flags & FI_INJECT) && iov_bytes(iov, count) > SIM_INJECT) return -FI_EMSGSIZE;
     sim_ep_lock(ep);
-    ssize_t rc = post(ep, kind, iov, count, dest, raddr, key, data, context, flags);
+    uint64_t now = sim_now_ns();
+    ssize_t rc = post(ep, kind, iov, count, dest, raddr, key, data, context, flags, now);
+    if (rc == 0 && !(flags & FI_MORE)) ring_doorbell(ep, now);
     sim_ep_unlock(ep);
     return rc;
 }

@@ -1,0 +1,51 @@
+"""The modeled p5 behaves like EFA where an engine can go wrong (issue 22, docs/model.md): FI_MORE holds the
+doorbell, so a forgotten flush hangs here as on a p5."""
+import time
+
+import numpy as np
+
+import test_api
+import test_engine
+from conftest import provider_args
+from fabriclab.tools.peers import start_server
+from test_sim import pair, pump  # noqa: F401 (pair: the fixture)
+
+
+def test_fi_more_holds_writes_until_a_post_without_it(pair):
+    a, b, to_b, _ = pair
+    src, dst = a.register(np.ones(4096, dtype=np.uint8)), b.register(np.zeros(4096, dtype=np.uint8))
+    for i in range(3):
+        assert a.ep.try_post_write(src, 0, 64, to_b, dst.remote(), 64 * i, ("more", i), data=i, more=True)
+    # many round trips of the model (2 us each way) pass: nothing leaves, nothing completes on either side
+    assert pump([a, b], 1, timeout=0.2) == []
+    assert a.ep.try_post_write(src, 0, 64, to_b, dst.remote(), 192, "flush", data=3)
+    got = pump([a, b], 8)
+    assert sorted(str(c.token) for c in got if c.token is not None) == ["('more', 0)", "('more', 1)",
+                                                                         "('more', 2)", "flush"]
+    assert sorted(c.data for c in got if c.has_data) == [0, 1, 2, 3]
+
+
+def test_fi_more_run_never_flushed_never_leaves(pair):
+    """The engine's flush rule matters: a run of FI_MORE writes that no write without it follows never completes
+    (a send without FI_MORE rings the same doorbell)."""
+    a, b, to_b, _ = pair
+    src, dst = a.register(np.ones(4096, dtype=np.uint8)), b.register(np.zeros(4096, dtype=np.uint8))
+    assert a.ep.try_post_write(src, 0, 4096, to_b, dst.remote(), 0, "held", data=7, more=True)
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        assert not a.cq.poll() and not b.cq.poll()
+    b.ep.post_recv(dst, 0, 64, "recv")
+    a.ep.post_send(src, 0, 64, to_b, "send")
+    got = pump([a, b], 4)
+    assert sorted(str(c.token) for c in got) == ["None", "held", "recv", "send"]
+
+
+SIM = ("sim", None)
+
+
+def test_the_engine_ends_every_fi_more_run_on_sim():
+    """The stages' and the Engine's flush rule, where a run left open really stalls: test_engine's and
+    test_api's FI_MORE checks, run on the model (their `fabric` fixture covers shm and tcp only)."""
+    with start_server("fabriclab.multi_nic", *provider_args(*SIM), "--timeout", "10") as server:
+        test_engine.test_fi_more_runs_always_end_without_fi_more((SIM, server))
+    test_api.test_a_write_refused_right_after_an_fi_more_run_still_ends_the_run(SIM)
