@@ -8,7 +8,7 @@ import test_api
 import test_engine
 from conftest import provider_args
 from fabriclab.tools.peers import start_server
-from test_sim import pair, pump  # noqa: F401 (pair: the fixture)
+from test_sim import pair, pump, run_python  # noqa: F401 (pair: the fixture)
 
 
 def test_fi_more_holds_writes_until_a_post_without_it(pair):
@@ -49,3 +49,36 @@ def test_the_engine_ends_every_fi_more_run_on_sim():
     with start_server("fabriclab.multi_nic", *provider_args(*SIM), "--timeout", "10") as server:
         test_engine.test_fi_more_runs_always_end_without_fi_more((SIM, server))
     test_api.test_a_write_refused_right_after_an_fi_more_run_still_ends_the_run(SIM)
+
+
+FIRST_CONTACT = """
+import time
+import numpy as np
+from fabriclab import fi
+a, b = (fi.EndpointStack(fi.getinfo('sim', nic)[0]) for nic in ('rdmap16s0-rdm', 'rdmap17s0-rdm'))
+to_b = a.av.insert(b.ep.address())
+src, dst = a.register(np.ones(4096, dtype=np.uint8)), b.register(np.zeros(4096, dtype=np.uint8))
+def timed_write(ep, data):
+    start = time.monotonic()
+    ep.post_write(src, 0, 64, to_b, dst.remote(), 0, 'w', data=data)
+    got = []
+    while len(got) < 2:
+        got += a.cq.poll() + b.cq.poll()
+    return time.monotonic() - start
+first, second = timed_write(a.ep, 1), timed_write(a.ep, 2)
+fresh = fi.Endpoint(a.domain, a.cq, a.av)
+print(first, second, timed_write(fresh, 3))
+fresh.close()
+"""
+
+
+def test_first_write_to_a_new_peer_waits_for_a_handshake_round_trip():
+    """As efa RDM handshakes with a new peer: the first write of an endpoint pair leaves two latencies late
+    and completes after four (handshake there and back, the write, its acknowledgement); the next one after
+    two; a fresh endpoint meets the peer anew. Lower bounds only, with a latency long enough to read them."""
+    latency = 0.05
+    out = run_python(FIRST_CONTACT, FABRICLAB_PROVIDER="sim", FABRICLAB_SIM_LATENCY_US=str(latency * 1e6))
+    assert out.returncode == 0, out.stderr
+    first, second, fresh = map(float, out.stdout.split())
+    assert first >= 4 * latency and fresh >= 4 * latency
+    assert second >= 2 * latency

@@ -238,6 +238,7 @@ struct sim_ep {
     uint64_t rx_head, rx_tail;
     uint64_t last_due_ns;             /* local completions come in posting order */
     int16_t port_of[SIM_MAX_AV];      /* per AV entry: our port in that peer's endpoint + 1, 0 until claimed */
+    uint64_t met_ns[SIM_MAX_AV];      /* per AV entry: when the handshake with it is done, 0 before the first write */
     struct sim_rx_port rx_ports[SIM_PORTS];
 };
 

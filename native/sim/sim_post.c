@@ -126,6 +126,17 @@ static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t
     return 0;
 }
 
+/* First contact: before the first write to a peer leaves this endpoint, a handshake goes there and back (two
+ * latencies), as efa RDM's with a new peer; the write leaves no earlier. Messages go at once (EFA's eager
+ * messages carry the sender's address and need no handshake). The model's transmit line serves in posting
+ * order, so what is posted behind that write on the NIC waits with it, once per endpoint pair. */
+static uint64_t first_contact(struct sim_ep *ep, const struct sim_pending *t, uint64_t now) {
+    if (t->kind != SIM_KIND_WRITE_DATA) return now;
+    uint64_t *met = &ep->met_ns[t->dest];
+    if (!*met) *met = now + 2 * sim_model.latency_ns;
+    return *met > now ? *met : now;
+}
+
 /* FI_MORE holds the doorbell, as on EFA's write path: an operation posted with it waits in the NIC's queue,
  * not on the line, until a transmit post without it is taken on this endpoint; then every waiting one takes
  * the transmit line, in posting order. A run of FI_MORE posts never followed by one without it never leaves
@@ -134,7 +145,7 @@ static void ring_doorbell(struct sim_ep *ep, uint64_t now) {
     if (ep->tx_held < ep->tx_head) ep->tx_held = ep->tx_head; /* held ones completed with an error (peer gone) */
     for (; ep->tx_held != ep->tx_tail; ep->tx_held++) {
         struct sim_pending *t = &ep->tx[ep->tx_held % SIM_TX];
-        if (!t->err) t->tx_start_ns = sim_occupy_tx(ep->domain, t->len, now);
+        if (!t->err) t->tx_start_ns = sim_occupy_tx(ep->domain, t->len, first_contact(ep, t, now));
     }
     sim_send_due(ep, now);
 }

@@ -264,8 +264,8 @@ int64_t sim_reserve_data(struct sim_port *port, size_t len) {
 
 /* ----------------------------------------------------------------------------------------- lines */
 
-/* The write or message takes this NIC's transmit line (shared by its endpoints) once it is free: returns
- * when its first byte leaves. */
+/* The write or message takes this NIC's transmit line (shared by its endpoints) once it is free, and not
+ * before `now`: returns when its first byte leaves. */
 uint64_t sim_occupy_tx(struct sim_domain *d, size_t len, uint64_t now) {
     uint64_t wire = (uint64_t)(len * sim_model.ns_per_byte);
     uint64_t free_ns = atomic_load_explicit(&d->tx_free_ns, memory_order_relaxed), start;
