@@ -84,6 +84,7 @@ struct sim_model {
     double ns_per_byte; /* 8e9 / line rate */
     uint64_t latency_ns;
     int payload;
+    int ordered; /* FABRICLAB_SIM_ORDERED=1: local completions in posting order (for teaching) */
 };
 
 extern struct sim_model sim_model;
@@ -200,6 +201,7 @@ struct sim_pending { /* a posted operation whose local completion is not due yet
     int kind;     /* 0: refused at post (err says why) */
     int announce; /* sends and writes with immediate data leave an entry in the target's port */
     int err;
+    int done; /* completed ahead of older operations: tx_head passes it once they have */
 };
 
 struct sim_rx_port { /* the target's own view of one of its ports */
@@ -236,7 +238,9 @@ struct sim_ep {
     uint64_t tx_held;                   /* from it to tx_tail: posted with FI_MORE, the doorbell not rung yet */
     struct sim_recv rx[SIM_RX];
     uint64_t rx_head, rx_tail;
-    uint64_t last_due_ns;             /* local completions come in posting order */
+    uint64_t last_due_ns;             /* the latest acknowledgement of what has left */
+    uint64_t dip_at;                  /* the last operation that left due before an older one (unordered) */
+    uint64_t next_due_ns;             /* no operation that left is due before it (0: look) */
     int16_t port_of[SIM_MAX_AV];      /* per AV entry: our port in that peer's endpoint + 1, 0 until claimed */
     uint64_t met_ns[SIM_MAX_AV];      /* per AV entry: when the handshake with it is done, 0 before the first write */
     struct sim_rx_port rx_ports[SIM_PORTS];

@@ -76,8 +76,12 @@ static void leave(struct sim_ep *ep, struct sim_pending *t) {
         atomic_store_explicit(&port->head, head + 1, memory_order_release);
     }
     t->due_ns = t->landed_ns + sim_model.latency_ns;
-    if (t->due_ns < ep->last_due_ns) t->due_ns = ep->last_due_ns;
-    ep->last_due_ns = t->due_ns;
+    if (t->due_ns < ep->last_due_ns) { /* acknowledged before an older operation */
+        if (sim_model.ordered) t->due_ns = ep->last_due_ns; /* FABRICLAB_SIM_ORDERED: it waits for that one */
+        else ep->dip_at = ep->tx_sent;                      /* t is ep->tx[tx_sent] (sim_send_due) */
+    }
+    if (t->due_ns > ep->last_due_ns) ep->last_due_ns = t->due_ns;
+    if (t->due_ns < ep->next_due_ns) ep->next_due_ns = t->due_ns;
 }
 
 /* Operations whose first byte has left the NIC by `now` go on the wire, in posting order. */

@@ -41,6 +41,8 @@ void sim_model_read(void) {
     sim_model.latency_ns = (uint64_t)(env_double("FABRICLAB_SIM_LATENCY_US", 2.0) * 1000);
     const char *p = getenv("FABRICLAB_SIM_PAYLOAD");
     sim_model.payload = p && *p && strcmp(p, "0") != 0;
+    const char *o = getenv("FABRICLAB_SIM_ORDERED");
+    sim_model.ordered = o && *o && strcmp(o, "0") != 0;
 }
 
 uint32_t sim_next_serial(void) {
