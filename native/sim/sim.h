@@ -69,6 +69,7 @@
 #define SIM_ERRS 256
 #define SIM_VOUCH_NS 1000000ull         /* a look that finds a peer's process alive vouches for it this long (1 ms) */
 #define SIM_ERR_TEXT 256                 /* an error completion's text (max_err_data) */
+#define SIM_HELD UINT64_MAX              /* tx_start_ns of an operation posted with FI_MORE, until the doorbell */
 #define SIM_XSTR(x) #x
 #define SIM_STR(x) SIM_XSTR(x)
 
@@ -83,6 +84,7 @@ struct sim_model {
     double ns_per_byte; /* 8e9 / line rate */
     uint64_t latency_ns;
     int payload;
+    int ordered; /* FABRICLAB_SIM_ORDERED=1: local completions in posting order (for teaching) */
 };
 
 extern struct sim_model sim_model;
@@ -199,6 +201,7 @@ struct sim_pending { /* a posted operation whose local completion is not due yet
     int kind;     /* 0: refused at post (err says why) */
     int announce; /* sends and writes with immediate data leave an entry in the target's port */
     int err;
+    int done; /* completed ahead of older operations: tx_head passes it once they have */
 };
 
 struct sim_rx_port { /* the target's own view of one of its ports */
@@ -232,10 +235,14 @@ struct sim_ep {
     atomic_flag lock; /* posting and progress of one endpoint from several threads (FI_THREAD_SAFE) */
     struct sim_pending tx[SIM_TX];
     uint64_t tx_head, tx_sent, tx_tail; /* completed | left the NIC | waiting for the line | free */
+    uint64_t tx_held;                   /* from it to tx_tail: posted with FI_MORE, the doorbell not rung yet */
     struct sim_recv rx[SIM_RX];
     uint64_t rx_head, rx_tail;
-    uint64_t last_due_ns;             /* local completions come in posting order */
+    uint64_t last_due_ns;             /* the latest acknowledgement of what has left */
+    uint64_t dip_at;                  /* the last operation that left due before an older one (unordered) */
+    uint64_t next_due_ns;             /* no operation that left is due before it (0: look) */
     int16_t port_of[SIM_MAX_AV];      /* per AV entry: our port in that peer's endpoint + 1, 0 until claimed */
+    uint64_t met_ns[SIM_MAX_AV];      /* per AV entry: when the handshake with it is done, 0 before the first write */
     struct sim_rx_port rx_ports[SIM_PORTS];
 };
 

@@ -76,8 +76,12 @@ static void leave(struct sim_ep *ep, struct sim_pending *t) {
         atomic_store_explicit(&port->head, head + 1, memory_order_release);
     }
     t->due_ns = t->landed_ns + sim_model.latency_ns;
-    if (t->due_ns < ep->last_due_ns) t->due_ns = ep->last_due_ns;
-    ep->last_due_ns = t->due_ns;
+    if (t->due_ns < ep->last_due_ns) { /* acknowledged before an older operation */
+        if (sim_model.ordered) t->due_ns = ep->last_due_ns; /* FABRICLAB_SIM_ORDERED: it waits for that one */
+        else ep->dip_at = ep->tx_sent;                      /* t is ep->tx[tx_sent] (sim_send_due) */
+    }
+    if (t->due_ns > ep->last_due_ns) ep->last_due_ns = t->due_ns;
+    if (t->due_ns < ep->next_due_ns) ep->next_due_ns = t->due_ns;
 }
 
 /* Operations whose first byte has left the NIC by `now` go on the wire, in posting order. */
@@ -91,7 +95,7 @@ void sim_send_due(struct sim_ep *ep, uint64_t now) {
 }
 
 static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t count, fi_addr_t dest, uint64_t raddr,
-                    uint64_t key, uint64_t data, void *context, uint64_t flags) {
+                    uint64_t key, uint64_t data, void *context, uint64_t flags, uint64_t now) {
     /* FI_REMOTE_CQ_DATA rides along: a send with it announces a message with immediate data */
     uint64_t op_flags = (kind == SIM_KIND_SEND ? FI_MSG | FI_SEND : FI_RMA | FI_WRITE) |
                         (flags & (FI_COMPLETION | FI_REMOTE_CQ_DATA));
@@ -101,7 +105,6 @@ static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t
     struct sim_peer *peer = &ep->av->peers[dest];
     if (!peer->seg) return peer->gone ? refuse(ep, context, op_flags, len, FI_EHOSTUNREACH) : -FI_EINVAL; /* removed */
     if (ep->tx_tail - ep->tx_head >= SIM_TX) return -FI_EAGAIN;
-    uint64_t now = sim_now_ns();
     if (sim_peer_known_dead(peer, now)) return refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
     if (kind == SIM_KIND_SEND && len > SIM_DATA_BYTES) return -FI_EMSGSIZE;
     int err = kind == SIM_KIND_SEND ? 0 : check_remote(peer, raddr, len, key);
@@ -122,10 +125,33 @@ static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t
             return refuse(ep, context, op_flags, len, errno == EPERM ? FI_EPERM : FI_EIO);
         }
     }
-    t.tx_start_ns = sim_occupy_tx(ep->domain, len, now);
+    t.tx_start_ns = SIM_HELD; /* it takes the line when the doorbell rings (ring_doorbell) */
     ep->tx[ep->tx_tail++ % SIM_TX] = t;
-    sim_send_due(ep, now);
     return 0;
+}
+
+/* First contact: before the first write to a peer leaves this endpoint, a handshake goes there and back (two
+ * latencies), as efa RDM's with a new peer; the write leaves no earlier. Messages go at once (EFA's eager
+ * messages carry the sender's address and need no handshake). The model's transmit line serves in posting
+ * order, so what is posted behind that write on the NIC waits with it, once per endpoint pair. */
+static uint64_t first_contact(struct sim_ep *ep, const struct sim_pending *t, uint64_t now) {
+    if (t->kind != SIM_KIND_WRITE_DATA) return now;
+    uint64_t *met = &ep->met_ns[t->dest];
+    if (!*met) *met = now + 2 * sim_model.latency_ns;
+    return *met > now ? *met : now;
+}
+
+/* FI_MORE holds the doorbell, as on EFA's write path: an operation posted with it waits in the NIC's queue,
+ * not on the line, until a transmit post without it is taken on this endpoint; then every waiting one takes
+ * the transmit line, in posting order. A run of FI_MORE posts never followed by one without it never leaves
+ * (the flush an engine forgets hangs here as on a p5). */
+static void ring_doorbell(struct sim_ep *ep, uint64_t now) {
+    if (ep->tx_held < ep->tx_head) ep->tx_held = ep->tx_head; /* held ones completed with an error (peer gone) */
+    for (; ep->tx_held != ep->tx_tail; ep->tx_held++) {
+        struct sim_pending *t = &ep->tx[ep->tx_held % SIM_TX];
+        if (!t->err) t->tx_start_ns = sim_occupy_tx(ep->domain, t->len, first_contact(ep, t, now));
+    }
+    sim_send_due(ep, now);
 }
 
 static ssize_t locked_post(struct fid_ep *fid, int kind, const struct iovec *iov, size_t count, fi_addr_t dest,
@@ -134,7 +160,9 @@ static ssize_t locked_post(struct fid_ep *fid, int kind, const struct iovec *iov
     if (count > SIM_IOV || (count && !iov)) return -FI_EINVAL; /* iov_limit */
     if ((flags & FI_INJECT) && iov_bytes(iov, count) > SIM_INJECT) return -FI_EMSGSIZE;
     sim_ep_lock(ep);
-    ssize_t rc = post(ep, kind, iov, count, dest, raddr, key, data, context, flags);
+    uint64_t now = sim_now_ns();
+    ssize_t rc = post(ep, kind, iov, count, dest, raddr, key, data, context, flags, now);
+    if (rc == 0 && !(flags & FI_MORE)) ring_doorbell(ep, now);
     sim_ep_unlock(ep);
     return rc;
 }

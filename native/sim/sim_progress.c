@@ -106,12 +106,11 @@ size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uin
 
 /* One pending operation, once it is due or its peer is known gone: 1 when it completed (with success or
  * an error), 0 when it must wait (not due, or the error queue is full). */
-static int complete(struct sim_ep *ep, struct sim_pending *t, void *buf, size_t *n, uint64_t now) {
+static int complete(struct sim_ep *ep, struct sim_pending *t, int sent, void *buf, size_t *n, uint64_t now) {
     struct sim_cq *cq = ep->tx_cq;
     if (t->err)
         return sim_cq_push_error(cq, t->context, t->flags, t->len, t->err, "%s", sim_error_text(t->err)) == 0;
     struct sim_peer *peer = &ep->av->peers[t->dest];
-    int sent = ep->tx_sent != ep->tx_head; /* t is the oldest pending: has it left the NIC? */
     int removed = !peer->seg;              /* fi_av_remove'd while the operation was on its way */
     if (!sent || t->due_ns > now) {
         /* not due yet, unless the peer's process ended before these bytes could land: they never will */
@@ -127,11 +126,38 @@ static int complete(struct sim_ep *ep, struct sim_pending *t, void *buf, size_t 
                              t->kind == SIM_KIND_SEND ? "message" : "write") == 0;
 }
 
-/* The writer side: what is due to leave leaves; operations whose acknowledgement is due complete, in
- * posting order. */
+/* No ordering promise (EFA reports none): an operation that left completes when its acknowledgement is due,
+ * ahead of older ones still on their way (to a target NIC whose receive line is busier). Looked at only once
+ * something is due (next_due_ns), and past the first one not due only while a later one is due before an
+ * older one (dip_at): with one target, a poll costs what it did in posting order. */
+static size_t complete_due(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
+    uint64_t next = UINT64_MAX;
+    for (uint64_t i = ep->tx_head; i != ep->tx_sent; i++) {
+        struct sim_pending *t = &ep->tx[i % SIM_TX];
+        if (t->done || t->err) continue; /* errors complete in posting order, below */
+        if (t->due_ns > now) {
+            if (t->due_ns < next) next = t->due_ns;
+            if (i >= ep->dip_at) break; /* the later ones are due no earlier */
+            continue;
+        }
+        if (n == count || !complete(ep, t, 1, buf, &n, now)) { /* no room now: look again at the next poll */
+            next = 0;
+            break;
+        }
+        t->done = 1;
+    }
+    ep->next_due_ns = next;
+    return n;
+}
+
+/* The writer side: what is due to leave leaves; operations whose acknowledgement is due complete (in posting
+ * order with FABRICLAB_SIM_ORDERED=1); the oldest also when its peer is known gone. */
 size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
     sim_send_due(ep, now);
-    while (ep->tx_head != ep->tx_tail && n < count && complete(ep, &ep->tx[ep->tx_head % SIM_TX], buf, &n, now)) {
+    if (!sim_model.ordered && now >= ep->next_due_ns) n = complete_due(ep, buf, count, n, now);
+    while (ep->tx_head != ep->tx_tail) {
+        struct sim_pending *t = &ep->tx[ep->tx_head % SIM_TX];
+        if (!t->done && (n == count || !complete(ep, t, ep->tx_sent != ep->tx_head, buf, &n, now))) break;
         if (ep->tx_sent == ep->tx_head) ep->tx_sent++;
         ep->tx_head++;
     }

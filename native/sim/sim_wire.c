@@ -41,6 +41,8 @@ void sim_model_read(void) {
     sim_model.latency_ns = (uint64_t)(env_double("FABRICLAB_SIM_LATENCY_US", 2.0) * 1000);
     const char *p = getenv("FABRICLAB_SIM_PAYLOAD");
     sim_model.payload = p && *p && strcmp(p, "0") != 0;
+    const char *o = getenv("FABRICLAB_SIM_ORDERED");
+    sim_model.ordered = o && *o && strcmp(o, "0") != 0;
 }
 
 uint32_t sim_next_serial(void) {
@@ -264,8 +266,8 @@ int64_t sim_reserve_data(struct sim_port *port, size_t len) {
 
 /* ----------------------------------------------------------------------------------------- lines */
 
-/* The write or message takes this NIC's transmit line (shared by its endpoints) once it is free: returns
- * when its first byte leaves. */
+/* The write or message takes this NIC's transmit line (shared by its endpoints) once it is free, and not
+ * before `now`: returns when its first byte leaves. */
 uint64_t sim_occupy_tx(struct sim_domain *d, size_t len, uint64_t now) {
     uint64_t wire = (uint64_t)(len * sim_model.ns_per_byte);
     uint64_t free_ns = atomic_load_explicit(&d->tx_free_ns, memory_order_relaxed), start;
