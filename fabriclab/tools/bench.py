@@ -121,6 +121,7 @@ class BenchConfig:
     groups: int = DEFAULTS["groups"]
     warmup: bool = DEFAULTS["warmup"]
     link_timeout: float | None = DEFAULTS["link_timeout"]  # a link silent this long is failed over (None: timeout/3)
+    count_writes: bool = DEFAULTS["count_writes"]  # the target counts every write (the checking mode)
     threads: int = DEFAULTS["threads"]
     pin: bool = DEFAULTS["pin"]
     shard: bool = DEFAULTS["shard"]
