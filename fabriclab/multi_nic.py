@@ -244,6 +244,7 @@ class MultiNicWriter(Writer):
         self.in_flight = in_flight
         self.cores = cores
         self.count_writes = count_writes
+        self.sizing = f"1 writer thread for {groups} GPU group(s) (chapters 9-10) + 1 target thread"
         self.marks = 0  # writes of the last run that carried immediate data (each NIC's last, or all)
         # A link with writes in flight and no completion for this long is declared down and its writes
         # go over the group's other NICs; well below the timeout, after which the whole run fails.
@@ -390,7 +391,9 @@ def serve(args, stop: cli.StopSignal) -> int:
 
 
 def writer_from_args(cls, stack, args) -> MultiNicWriter:
-    return cls(stack, args.address, args.timeout, **cls.options_from_args(args))
+    writer = cls(stack, args.address, args.timeout, **cls.options_from_args(args))
+    print(f"threads: {writer.sizing}", flush=True)
+    return writer
 
 
 def add_engine_options(parser) -> None:
