@@ -40,6 +40,9 @@ PREPARE_NICS, REGIONS = 10, 11
 #: HEARTBEAT_S), and the run is over (every write completed on its side), with what the target must see.
 RUNNING, RUN_OVER = 13, 14
 HEARTBEAT_S = 0.5  # well below any target's timeout: a writer silent for that long is taken for dead
+# Target loops that did not stop when told (stuck inside a provider call: shm can spin for ever on a lock its
+# killed peer held), with everything they may still touch: kept for the life of the process, never freed under them.
+_STUCK_LOOPS: list = []
 
 
 class MultiNicTarget(rdma_write.Target):
@@ -170,6 +173,11 @@ class MultiNicTarget(rdma_write.Target):
         if self._loop is not None and self._loop.is_alive():
             self.engine._ptr.stop = 1
             self._loop.join(5)
+            if self._loop.is_alive():
+                print("target: the last run's thread did not stop within 5 s (stuck in the provider): its NICs and "
+                      "memory stay allocated", flush=True)
+                _STUCK_LOOPS.append((self._loop, self.engine, self.registrations, self.nicset, self.buffer))
+                self.engine, self.registrations, self.nicset, self.buffer = None, [], None, None
         self._loop = None
         release_nics(self)
         super().release()
@@ -340,6 +348,9 @@ class MultiNicWriter(Writer):
         """Run the whole plan in the engine. ``warmup`` (writes) is ignored: chapter 10's warm-up is one
         write per NIC, switched by ``self.warmup``."""
         self._check_ready()
+        if self.writes_issued:
+            raise fi.UsageError("this plan was written already, and the target's run ended with it: call prepare() "
+                                "again before the next transfer")
         cfg = self.config(self.plan.writes)
         cpu0 = time.process_time()
         heard = [time.monotonic()]

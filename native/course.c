@@ -161,6 +161,33 @@ out:
     return NULL;
 }
 
+/* Each group's NICs, its share of the run's writes and the first of them that is marked (marked_write: the
+ * article marks each GPU's last writes, one per NIC, and the target waits for those); the run's marked
+ * writes in e->marked_writes. 0, or -FI_EINVAL with the reason in e->error. */
+static int plan_groups(fl_engine *e, const fl_config *cfg, group *groups) {
+    for (int i = 0; i < e->nnics; i++) {
+        int g = e->nics[i].group;
+        if (g < 0 || g >= cfg->groups) {
+            snprintf(e->error, FL_ERROR_LEN, "NIC %d belongs to group %d, outside 0..%d", i, g, cfg->groups - 1);
+            return -FI_EINVAL;
+        }
+        groups[g].nics[groups[g].nnics++] = i;
+    }
+    e->marked_writes = 0;
+    for (int g = 0; g < cfg->groups; g++) {
+        group *gr = &groups[g];
+        gr->quota = cfg->total_writes / cfg->groups + ((uint64_t)g < cfg->total_writes % cfg->groups);
+        if (gr->quota && gr->nnics == 0) {
+            snprintf(e->error, FL_ERROR_LEN, "group %d has writes to do but no NIC", g);
+            return -FI_EINVAL;
+        }
+        uint64_t last = (uint64_t)gr->nnics < gr->quota ? (uint64_t)gr->nnics : gr->quota;
+        gr->mark_from = cfg->mark_last ? gr->quota - last : 0;
+        e->marked_writes += gr->quota - gr->mark_from;
+    }
+    return 0;
+}
+
 int fl_write_run(fl_engine *e, const fl_config *cfg) {
     engine_state *st = e->state;
     e->error_code = 0;
@@ -186,27 +213,9 @@ int fl_write_run(fl_engine *e, const fl_config *cfg) {
         free(ctx); free(groups); free(tids);
         return e->error_code = -FI_ENOMEM;
     }
-    for (int i = 0; i < e->nnics; i++) {
-        int g = e->nics[i].group;
-        if (g < 0 || g >= cfg->groups) {
-            snprintf(e->error, FL_ERROR_LEN, "NIC %d belongs to group %d, outside 0..%d", i, g, cfg->groups - 1);
-            free(ctx); free(groups); free(tids);
-            return e->error_code = -FI_EINVAL;
-        }
-        groups[g].nics[groups[g].nnics++] = i;
-    }
-    e->marked_writes = 0;
-    for (int g = 0; g < cfg->groups; g++) {
-        groups[g].quota = cfg->total_writes / cfg->groups + ((uint64_t)g < cfg->total_writes % cfg->groups);
-        if (groups[g].quota && groups[g].nnics == 0) {
-            snprintf(e->error, FL_ERROR_LEN, "group %d has writes to do but no NIC", g);
-            free(ctx); free(groups); free(tids);
-            return e->error_code = -FI_EINVAL;
-        }
-        /* the article marks each GPU's last writes, one per NIC: the target waits for those (marked_write) */
-        uint64_t last = (uint64_t)groups[g].nnics < groups[g].quota ? (uint64_t)groups[g].nnics : groups[g].quota;
-        groups[g].mark_from = cfg->mark_last ? groups[g].quota - last : 0;
-        e->marked_writes += groups[g].quota - groups[g].mark_from;
+    if ((rc = plan_groups(e, cfg, groups)) != 0) {
+        free(ctx); free(groups); free(tids);
+        return e->error_code = rc;
     }
     /* Groups are dealt to threads: with one thread it drives all of them (chapters 9-10). Each thread
      * gets its groups as one contiguous block of the group array. */

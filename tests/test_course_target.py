@@ -90,6 +90,8 @@ def test_the_target_runs_one_thread_whatever_the_writer_has(fabric):
             assert target_threads(server) == 1
             writer.transfer()
             assert writer.finish().verified is True
+            with pytest.raises(fi.UsageError, match=r"call prepare\(\) again before the next transfer"):
+                writer.transfer()  # the target's run ended with the last one: nobody would poll for these writes
         stack.close()
 
 

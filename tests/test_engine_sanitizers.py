@@ -1,5 +1,6 @@
 """AddressSanitizer and ThreadSanitizer builds of the native engine, run on a short transfer
-(native/selftest: a target and a 2-thread batched, lazy, FI_MORE writer over shm in one process)."""
+(native/selftest: a target and a 2-thread batched, lazy, FI_MORE writer over shm in one process, counting
+every write, then as the article's receiver)."""
 import importlib.util
 import pathlib
 import shutil
@@ -47,4 +48,5 @@ def test_engine_under_sanitizer(sanitizer, tmp_path):
                               "ASAN_OPTIONS": "detect_leaks=1"})
     assert run.returncode == 0, run.stdout + run.stderr
     assert "engine selftest: 257 writes, ok" in run.stdout
+    assert "engine selftest, last writes marked: 257 writes, 4 marks, ok" in run.stdout
     assert "WARNING: ThreadSanitizer" not in run.stderr and "ERROR: AddressSanitizer" not in run.stderr
