@@ -113,10 +113,11 @@ class NativeEngine:
             n = self._ptr.nics[slot.index]
             n.max_in_flight = min(n.max_in_flight, writes)
 
-    def run(self, call, *args, timeout: float) -> None:
+    def run(self, call, *args, timeout: float, tick=None) -> None:
         """Run a blocking engine call (the GIL is released inside it) in a thread; raise on its error.
         However the wait ends (Ctrl-C included, even during the thread's start), the engine is told to
-        stop and its threads are joined before this returns, so it is never freed under them."""
+        stop and its threads are joined before this returns, so it is never freed under them. ``tick``,
+        if given, is called every 50 ms of the wait (the course's writers tell their target they live)."""
         result = {}
         launched, finished = threading.Event(), threading.Event()
 
@@ -132,7 +133,8 @@ class NativeEngine:
         try:
             threading.Thread(target=body, daemon=True).start()
             while not finished.wait(0.05):
-                pass
+                if tick is not None:
+                    tick()
         finally:
             self._join_worker()
         if result.get("rc", -1) != 0:

@@ -99,6 +99,16 @@ class Mailbox:
         self.stack.ep.post_send(self.outbox_mr, slot * self.slot_size, HEADER.size + data.size, dest, ("out", slot),
                                 timeout=self.timeout)
 
+    def try_send(self, dest: int, kind: int, client: int, seq: int, payload=b"") -> bool:
+        """Send now if a send slot is free once finished sends are reaped; False (nothing sent) if none
+        is: for word that may be skipped, from a thread that must not wait."""
+        if not self.free_outbox:
+            self._pump()
+        if not self.free_outbox:
+            return False
+        self.send(dest, kind, client, seq, payload)
+        return True
+
     def receive(self, stop=None, timeout: float | None = None) -> list[Message]:
         """Messages that have arrived, waiting up to ``timeout`` for at least one (an empty list when
         ``stop`` was set first)."""

@@ -284,6 +284,9 @@ class Info:
         self.rx_size = int(rx.size)
         self.threading = int(d.threading)
         self.data_progress = int(d.data_progress)
+        self.msg_order = int(tx.msg_order)  # what the provider keeps in order between one endpoint's operations
+        self.op_flags = int(tx.op_flags)  # default flags, among them the completion level (none: transmit)
+        self.max_order_waw_size = int(ep.max_order_waw_size)
         self.hmem = bool(self.caps & lib.FI_HMEM)
         self.nic = self._nic(ptr.nic)
 
@@ -303,6 +306,14 @@ class Info:
             mtu = int(nic.link_attr.mtu) or None
             state = "up" if nic.link_attr.state == lib.FI_LINK_UP else "down"
         return Nic(name, pci, speed, state, mtu)
+
+    @property
+    def orders_writes(self) -> bool:
+        """An endpoint's RMA writes land in the order they were posted, whatever their size (FI_ORDER_WAW or
+        FI_ORDER_RMA_WAW in msg_order, and max_order_waw_size unbounded): only then does a write's arrival
+        prove that the earlier ones arrived (tcp;ofi_rxm; not EFA's RDM endpoints, shm or sim)."""
+        ordered = self.msg_order & (lib.FI_ORDER_WAW | lib.FI_ORDER_RMA_WAW)
+        return bool(ordered) and self.max_order_waw_size == 2 ** (8 * ffi.sizeof("size_t")) - 1
 
     @property
     def mr_mode_names(self) -> list[str]:

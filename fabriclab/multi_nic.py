@@ -36,10 +36,29 @@ PREPARE_NICS, REGIONS = 10, 11
 
 # -------------------------------------------------------------------------------------------- target
 
+#: The writer's word during a run, answered by nothing: it is writing (as the run starts, then every
+#: HEARTBEAT_S), and the run is over (every write completed on its side), with what the target must see.
+RUNNING, RUN_OVER = 13, 14
+HEARTBEAT_S = 0.5  # well below any target's timeout: a writer silent for that long is taken for dead
+# Target loops that did not stop when told (stuck inside a provider call: shm can spin for ever on a lock its
+# killed peer held), with everything they may still touch: kept for the life of the process, never freed under them.
+_STUCK_LOOPS: list = []
+
 
 class MultiNicTarget(rdma_write.Target):
-    """Chapter 6's target, grown a NIC set: it registers the region on every slot and counts arrivals
-    with the native target loop, running in the background from PREPARE until DONE."""
+    """Chapter 6's target, grown a NIC set: it registers the region on every slot, and the native target
+    loop (native/course.c) runs in the background from PREPARE until the run is complete: the article's
+    receiver, ONE thread polling every NIC's completion queue, backing off when idle.
+
+    What proves a run complete. As in the article, the writer marks only each NIC's last write with
+    immediate data; "every NIC's last write landed" proves the run complete only where a NIC's writes land
+    in order (fi_getinfo's msg_order with FI_ORDER_WAW or FI_ORDER_RMA_WAW: tcp here; not EFA's RDM, shm
+    or sim). So the writer also asks for FI_DELIVERY_COMPLETE on every write (a completion then means the
+    bytes are in the target's memory; no provider here promises that by default: fi_getinfo's op_flags
+    are empty) and says RUN_OVER only after all its completions; the run ends when that word and every
+    mark have come. The bytes are then checked once, byte for byte (where the provider moves them).
+    A writer that asks for ``count_writes`` (the checking mode) sends every write's number: each is
+    counted once and per page. A writer silent for ``timeout`` seconds mid-run ends the run with an error."""
 
     CONTROL_PAYLOAD = 256 << 10  # an address and a region key per NIC slot, up to FL_MAX_NICS of them
 
@@ -51,13 +70,14 @@ class MultiNicTarget(rdma_write.Target):
         self.registrations: list[memory.Registration] = []
         self.counts: np.ndarray | None = None
         self.plan: PagePlan | None = None
+        self.writer: int | None = None  # the client whose run this is
         self._loop: threading.Thread | None = None
         self._loop_rc = 0
 
-    def prepare_nics(self, request: dict) -> bytes:
+    def prepare_nics(self, request: dict, client: int) -> bytes:
         self.release()
         plan = PagePlan(request["page_size"], request["buffer_bytes"], 0)
-        self.plan, self.seed = plan, request["seed"]
+        self.plan, self.seed, self.writer = plan, request["seed"], client
         self.buffer = memory.allocate(request["memory"], plan.buffer_bytes)
         self.buffer.write(np.zeros(plan.buffer_bytes, np.uint8))
         self.nicset = NicSet(self.provider, request["nics"], self.domains, request["memory"])
@@ -67,80 +87,130 @@ class MultiNicTarget(rdma_write.Target):
         for slot, address in zip(self.nicset.slots, request["addresses"]):
             dest = slot.av.insert(fi.Address.parse(address))
             self.engine.set_peer(slot.index, dest, fi.RemoteRegion(0, 0, 0))
-        self.counts = np.zeros(plan.pages, dtype=np.uint32)
+        counting = bool(request.get("count_writes", True))  # a writer that does not say numbers every write
+        self.counts = np.zeros(plan.pages if counting else 0, dtype=np.uint32)
         # one bit per write of the run: a write sent again after a link failure is counted once
         self.seen = np.zeros((request.get("writes", 0) + 63) // 64, dtype=np.uint64)
         e = self.engine._ptr
         e.stop = 0
-        e.page_counts = ffi.cast("uint32_t *", self.counts.ctypes.data)
+        e.marks_only = int(not counting)
+        e.page_counts = ffi.cast("uint32_t *", self.counts.ctypes.data) if counting else ffi.NULL
         e.seen_writes = ffi.cast("uint64_t *", self.seen.ctypes.data) if self.seen.size else ffi.NULL
         e.seen_capacity = request.get("writes", 0)
         e.duplicates = 0
         e.pages = plan.pages
         e.target_page_size, e.target_buffer_bytes = plan.page_size, plan.buffer_bytes
         e.expected_arrivals = 2 ** 64 - 1
-        e.arrivals = e.first_arrival_ns = e.last_arrival_ns = 0
-        threads = max(1, min(request.get("target_threads", 1), len(self.nicset.slots)))
+        e.arrivals = e.first_arrival_ns = e.last_arrival_ns = e.writer_heard_ns = 0
         allowed = os.sched_getaffinity(0)
-        cores = [c for c in request.get("target_cores", ()) if c in allowed][:threads]
-        cores = cores if len(cores) == threads else []
-        self._loop = threading.Thread(target=self._run_loop, args=(threads, cores), daemon=True)
+        core = next((c for c in request.get("target_cores", ()) if isinstance(c, int) and c in allowed), -1)
+        info = self.nicset.slots[0].info
+        manual = info.data_progress == lib.FI_PROGRESS_MANUAL
+        self._loop_rc = 0
+        self._loop = threading.Thread(target=self._run_loop, args=(core, manual), daemon=True)
         self._loop.start()
-        print(f"prepared {plan.buffer_bytes} bytes over {self.nicset.describe()}; {threads} target thread(s)"
-              + (f" pinned to cores {','.join(map(str, cores))}" if cores else ""), flush=True)
+        proof = "counting every write" if counting else "waiting for each NIC's last write: " + (
+            "writes land in order per NIC here (fi_getinfo's msg_order), so that alone would prove the run"
+            if info.orders_writes else "writes may land out of order here (fi_getinfo's msg_order), so the run "
+            "also needs the writer's word, said after its delivery-complete completions")
+        print(f"prepared {plan.buffer_bytes} bytes over {self.nicset.describe()}; 1 target thread"
+              + (f" pinned to core {core}" if core >= 0 else "") + f"; {proof}", flush=True)
         regions = [{"address": a, "region": r.mr.remote().pack().hex()}
                    for a, r in zip(self.nicset.addresses(), self.registrations)]
         return json.dumps({"slots": regions, "path": self.registrations[0].path,
                            "emulated": self.nicset.emulated}).encode()
 
-    def _run_loop(self, threads: int, cores: list[int]) -> None:
-        self._loop_rc = lib.fl_target_run(self.engine._ptr, threads, ffi.new("int[]", cores) if cores else ffi.NULL,
-                                          int(bool(cores)), self.timeout)
+    def _run_loop(self, core: int, manual: bool) -> None:
+        self._loop_rc = lib.fl_target_run(self.engine._ptr, core, int(manual), self.timeout)
+        if self._loop_rc:  # nobody may ask for this run's report (its writer may be gone): say it here
+            print(f"target: the run failed: {ffi.string(self.engine._ptr.error).decode(errors='replace')}",
+                  flush=True)
 
-    def finish_nics(self, expected: int, verify: bool) -> Report:
+    def expect(self, request: dict) -> tuple[int, int]:
+        """The run's writes and what proves it complete, from the writer's word (untrusted: checked): every
+        write in the checking mode, else the marked last writes. The target's silence clock restarts."""
         e = self.engine._ptr
-        e.expected_arrivals = expected
+        capacity = int(e.seen_capacity)
+        for key in ("writes", "marks") if e.marks_only else ("writes",):
+            value = request.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= capacity:
+                raise fi.UsageError(f"the run's {key} must be a whole number from 0 to the {capacity} writes "
+                                    f"prepared, got {value!r}")
+        writes = request["writes"]
+        e.writer_heard_ns = lib.fl_now_ns()
+        e.expected_arrivals = request["marks"] if e.marks_only else writes
+        return writes, int(e.expected_arrivals)
+
+    def finish_nics(self, request: dict) -> Report:
+        e = self.engine._ptr
+        writes, expected = self.expect(request)
         self._loop.join(self.timeout + 2)
         if self._loop.is_alive():
             e.stop = 1
             self._loop.join(5)
         arrivals = int(e.arrivals)
+        complete = arrivals >= expected and not self._loop_rc
         verified, mismatched = None, []
-        if verify:
+        if request.get("verify"):
             want = rdma_write.source_data(self.seed, self.buffer.length)
-            # modeled NICs outside payload mode move no bytes: then each write's immediate data is what is checked
+            # modeled NICs outside payload mode move no bytes: then what is checked is that every write landed
             got = self.buffer.read() if self.stack.info.moves_payload else want
             if not np.array_equal(got, want):
                 ps = self.plan.page_size
                 mismatched = [p for p in range(self.plan.pages)
                               if not np.array_equal(got[p * ps:(p + 1) * ps], want[p * ps:(p + 1) * ps])][:20]
-            verified = arrivals == expected and not mismatched
+            verified = complete and not mismatched
         why = ffi.string(e.error).decode(errors="replace") if self._loop_rc else ""
-        return Report(arrivals, int(np.count_nonzero(self.counts)), int(self.counts.min()), int(self.counts.max()),
-                      verified, mismatched, self.registrations[0].path, why,
-                      (e.last_arrival_ns - e.first_arrival_ns) / 1e9, int(e.duplicates))
+        landed_s = (e.last_arrival_ns - e.first_arrival_ns) / 1e9
+        counts = self.counts
+        if counts.size:
+            return Report(arrivals, int(np.count_nonzero(counts)), int(counts.min()), int(counts.max()), verified,
+                          mismatched, self.registrations[0].path, why, landed_s, int(e.duplicates))
+        return Report(writes if complete else 0, 0, 0, 0, verified, mismatched, self.registrations[0].path, why,
+                      landed_s, int(e.duplicates), counted=False, marks=arrivals)
 
     def release(self) -> None:
         if self._loop is not None and self._loop.is_alive():
             self.engine._ptr.stop = 1
             self._loop.join(5)
+            if self._loop.is_alive():
+                print("target: the last run's thread did not stop within 5 s (stuck in the provider): its NICs and "
+                      "memory stay allocated", flush=True)
+                _STUCK_LOOPS.append((self._loop, self.engine, self.registrations, self.nicset, self.buffer))
+                self.engine, self.registrations, self.nicset, self.buffer = None, [], None, None
         self._loop = None
         release_nics(self)
         super().release()
 
     def handle(self, m: bidirectional.Message) -> None:
+        if m.kind in (RUNNING, RUN_OVER, rdma_write.DONE) and self.engine is not None and m.client != self.writer:
+            raise fi.UsageError(f"writer {m.client} has no run here: the run prepared is writer {self.writer}'s")
         if m.kind == PREPARE_NICS:
-            reply = self.prepare_nics(json.loads(bytes(m.payload)))
+            reply = self.prepare_nics(_request(m), m.client)
             self.mailbox.send(self.clients[m.client], REGIONS, m.client, m.seq, reply)
+        elif m.kind == RUNNING and self.engine is not None:
+            self.engine._ptr.writer_heard_ns = lib.fl_now_ns()
+        elif m.kind == RUN_OVER and self.engine is not None:
+            self.expect(_request(m))
         elif m.kind == rdma_write.DONE and self.engine is not None:
-            request = json.loads(bytes(m.payload))
-            report = self.finish_nics(request["writes"], request["verify"])
-            print(f"report: {report.arrivals} writes landed on {report.distinct_pages} pages, "
-                  f"verified {report.verified}", flush=True)
+            report = self.finish_nics(_request(m))
+            print(f"report: {report.arrivals} writes landed" + (f" on {report.distinct_pages} pages" if report.counted
+                  else f" ({report.marks} marked last writes seen)") + f", verified {report.verified}", flush=True)
             self.mailbox.send(self.clients[m.client], rdma_write.REPORT, m.client, m.seq,
                               json.dumps(asdict(report)).encode())
         else:
             super().handle(m)
+
+
+def _request(m: bidirectional.Message) -> dict:
+    """A writer's JSON request (untrusted: anything else is refused, the target goes on serving)."""
+    try:
+        request = json.loads(bytes(m.payload))
+    except ValueError as exc:
+        raise fi.UsageError(f"a request that is not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise fi.UsageError(f"a request must be a JSON object, got {type(request).__name__}")
+    return request
 
 
 # -------------------------------------------------------------------------------------------- writer
@@ -157,14 +227,20 @@ class EngineStats(WriteStats):
 
 class MultiNicWriter(Writer):
     """Chapter 7's writer spread over NIC slots, its hot loop in C: one thread, one write per group
-    per pass (chapter 9), an untimed write per NIC first when ``warmup`` (chapter 10)."""
+    per pass (chapter 9), an untimed write per NIC first when ``warmup`` (chapter 10).
+
+    As in the article, only each NIC's last write of a run carries immediate data, and the target waits
+    for those (MultiNicTarget says why that alone would not prove the run complete, and what does: every
+    write asks for FI_DELIVERY_COMPLETE, and the writer says RUN_OVER after its last completion). While it
+    writes it tells the target so every HEARTBEAT_S, so that a writer that dies is told from a long run.
+    ``count_writes``: the checking mode, every write carrying its number for the target to count."""
 
     stage = "multi_nic"
 
     def __init__(self, stack: fi.EndpointStack, server_address, timeout: float = fi.DEFAULT_TIMEOUT, *,
                  nics: int | None = None, domains=None, groups: int = 1, warmup: bool = True,
-                 in_flight: int | None = None, target_threads: int | None = None, cores: list[int] | None = None,
-                 link_timeout: float | None = None):
+                 in_flight: int | None = None, cores: list[int] | None = None, link_timeout: float | None = None,
+                 count_writes: bool = False):
         if nics is not None and nics <= 0:
             raise fi.UsageError(f"the number of NICs must be at least 1, got {nics}")
         if groups <= 0:
@@ -174,8 +250,10 @@ class MultiNicWriter(Writer):
         super().__init__(stack, server_address, timeout)
         self.nic_count, self.domains, self.groups, self.warmup = nics, domains, groups, warmup
         self.in_flight = in_flight
-        self.target_threads = target_threads
         self.cores = cores
+        self.count_writes = count_writes
+        self.sizing = f"1 writer thread for {groups} GPU group(s) (chapters 9-10) + 1 target thread"
+        self.marks = 0  # writes of the last run that carried immediate data (each NIC's last, or all)
         # A link with writes in flight and no completion for this long is declared down and its writes
         # go over the group's other NICs; well below the timeout, after which the whole run fails.
         self.link_timeout = timeout / 3 if link_timeout is None else link_timeout
@@ -191,12 +269,13 @@ class MultiNicWriter(Writer):
         """Constructor options from the command line (see add_engine_options) or a bench config: chapter 7's
         pages in flight (here per NIC), the domains, and this stage's own."""
         return {**opqueue.QueuedWriter.options_from_args(args), "domains": args.domain, "nics": args.nics,
-                "groups": args.groups, "warmup": args.warmup, "link_timeout": args.link_timeout}
+                "groups": args.groups, "warmup": args.warmup, "link_timeout": args.link_timeout,
+                "count_writes": args.count_writes}
 
     # -- the chapter switches: later stages extend this
     def switches(self) -> dict:
         return {"threads": 1, "groups": self.groups, "warmup": int(bool(self.warmup)), "pin": 0, "shard": 0,
-                "pad": 0, "batch": 1, "lazy": 0, "fi_more": 0}
+                "pad": 0, "batch": 1, "lazy": 0, "fi_more": 0, "mark_last": int(not self.count_writes)}
 
     @property
     def threads(self) -> int:
@@ -213,11 +292,9 @@ class MultiNicWriter(Writer):
                                      discover_topology(self.nicset.provider))
         request = {"page_size": plan.page_size, "buffer_bytes": plan.buffer_bytes, "memory": memory_kind,
                    "seed": seed, "nics": len(self.nicset.slots), "addresses": self.nicset.addresses(),
-                   "writes": plan.writes,
-                   "target_threads": self.target_threads or self.threads,
-                   "target_cores": self.target_cores(self.target_threads or self.threads)}
+                   "writes": plan.writes, "count_writes": self.count_writes, "target_cores": self.target_cores(1)}
         reply = json.loads(self._call(PREPARE_NICS, request, REGIONS))
-        self.plan, self.writes_issued = plan, 0
+        self.plan, self.writes_issued, self.marks = plan, 0, 0
         self.source = memory.allocate(memory_kind, plan.buffer_bytes)
         self.source.write(rdma_write.source_data(seed, plan.buffer_bytes))
         self.registrations = self.nicset.register(self.source)
@@ -271,16 +348,45 @@ class MultiNicWriter(Writer):
         """Run the whole plan in the engine. ``warmup`` (writes) is ignored: chapter 10's warm-up is one
         write per NIC, switched by ``self.warmup``."""
         self._check_ready()
+        if self.writes_issued:
+            raise fi.UsageError("this plan was written already, and the target's run ended with it: call prepare() "
+                                "again before the next transfer")
         cfg = self.config(self.plan.writes)
         cpu0 = time.process_time()
-        self.engine.run(lib.fl_write_run, cfg, timeout=self.timeout)
+        heard = [time.monotonic()]
+        self._tell(RUNNING)
+
+        def heartbeat():
+            if time.monotonic() - heard[0] >= HEARTBEAT_S:
+                heard[0] = time.monotonic()
+                self._tell(RUNNING)
+
+        self.engine.run(lib.fl_write_run, cfg, timeout=self.timeout, tick=heartbeat)
         cpu = time.process_time() - cpu0
         e = self.engine._ptr
         self.writes_issued = self.plan.writes  # warm-up writes are numbered past these; the target skips them
+        self.marks = int(e.marked_writes)
+        self._tell(RUN_OVER, self.run_summary())  # every write has completed, each delivered (FI_DELIVERY_COMPLETE)
         return EngineStats(int(e.timed_writes), int(e.timed_bytes), float(e.elapsed_s), cpu,
                            sum(int(self.engine.nic(i).eagain) for i in range(len(self.nicset.slots))),
                            nics=len(self.nicset.slots), emulated_nics=self.nicset.emulated, threads=cfg.threads,
                            groups=cfg.groups, per_nic=self.engine.counters())
+
+    def run_summary(self) -> dict:
+        """What the target must see land: the run's writes, and the marked last writes among them."""
+        return {"writes": self.writes_issued, "marks": self.marks}
+
+    def _tell(self, kind: int, what: dict | None = None) -> None:
+        """Word to the target that wants no answer. A heartbeat is skipped while every send slot is busy;
+        a control channel that fails is left to the run's own completions (or finish) to report."""
+        payload = json.dumps(what).encode() if what is not None else b""
+        try:
+            if kind == RUNNING:
+                self.mailbox.try_send(self.server_addr, kind, self.client_id, next(self._seq), payload)
+            else:
+                self.mailbox.send(self.server_addr, kind, self.client_id, next(self._seq), payload)
+        except fi.FabricError:
+            pass
 
     def release(self) -> None:
         release_nics(self)
@@ -296,7 +402,9 @@ def serve(args, stop: cli.StopSignal) -> int:
 
 
 def writer_from_args(cls, stack, args) -> MultiNicWriter:
-    return cls(stack, args.address, args.timeout, **cls.options_from_args(args))
+    writer = cls(stack, args.address, args.timeout, **cls.options_from_args(args))
+    print(f"threads: {writer.sizing}", flush=True)
+    return writer
 
 
 def add_engine_options(parser) -> None:
@@ -310,6 +418,9 @@ def add_engine_options(parser) -> None:
                          default=1,
                          help="GPU groups the NICs are split into, all walked by one thread (default %(default)s; "
                               "from chapter 11 on --threads sets them, a thread each)")
+    options.add_argument("--count-writes", action="store_true",
+                         help="the checking mode: every write carries its number and the target counts each "
+                              "(default: as the article, only each NIC's last write is marked)")
     # One write per NIC is what the C engine's warm-up does (fl_config.warmup is a switch), hence no count.
     options.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                          help="chapter 10, on by default: one untimed write through each NIC before the clock "

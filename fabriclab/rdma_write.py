@@ -81,7 +81,13 @@ class PagePlan:
 
 @dataclass
 class Report:
-    """What the target saw: remote-write completions, how often each page landed, byte-exact check."""
+    """What the target saw: remote-write completions, how often each page landed, byte-exact check.
+
+    ``counted``: each write carried its number and was counted one by one (chapters 6-7, and the engine
+    stages' checking mode); then ``arrivals`` are the distinct writes counted and the per-page figures
+    are real. Otherwise (the engine stages as the article's receiver) only each NIC's last write was
+    marked: ``marks`` of them landed, ``arrivals`` is the run's writes once the run was proved complete
+    (multi_nic says how) and 0 if it was not, and the per-page figures are 0."""
     arrivals: int
     distinct_pages: int
     min_per_page: int
@@ -90,8 +96,11 @@ class Report:
     mismatched_pages: list = field(default_factory=list)
     path: str = "host"
     why: str = ""
-    landed_s: float = 0.0  # from the first write landing to the last, on the target's clock
+    landed_s: float = 0.0  # from the first write landing (or the run's start, marks only) to the last
     duplicates: int = 0  # writes that landed twice (sent again after a link failure), counted once above
+    counted: bool = True
+    marks: int = 0
+    target_threads: int = 1  # threads the target polled with
 
 
 class TargetMailbox(Mailbox):
@@ -344,8 +353,12 @@ class Writer(Client):
 
     def finish(self, verify: bool = True) -> Report:
         """Tell the target how many writes to expect; it waits for them, checks the bytes and reports."""
-        reply = self._call(DONE, {"writes": self.writes_issued, "verify": verify}, REPORT)
+        reply = self._call(DONE, {**self.run_summary(), "verify": verify}, REPORT)
         return Report(**json.loads(reply))
+
+    def run_summary(self) -> dict:
+        """What the target must see land since prepare(): here every write, each carrying its page."""
+        return {"writes": self.writes_issued}
 
     def release(self) -> None:
         """Give back this transfer's source and registrations (prepare() makes new ones)."""

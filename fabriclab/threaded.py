@@ -18,8 +18,35 @@ from ._fabric import lib
 from .multi_nic import MultiNicWriter
 
 
+#: The target's threads (multi_nic.MultiNicTarget): one polls every NIC, as the article's receiver did.
+TARGET_THREADS = 1
+#: The article's writer threads: one per GPU of a p5.
+ARTICLE_THREADS = 8
+
+
+def writer_threads(groups: int | None = None) -> tuple[int, str]:
+    """How many writer threads drive ``groups`` GPU groups (None: as many groups as fit, at most the
+    article's 8) so that they and the target's thread never outnumber the cores this process may use
+    (os.sched_getaffinity; the course's target runs on this host, and each of these threads polls without
+    rest): a thread per group while the cores last, then groups share threads. Returns (threads, why)."""
+    cores = len(os.sched_getaffinity(0))
+    room = max(1, cores - TARGET_THREADS)
+    groups = min(room, ARTICLE_THREADS) if groups is None else groups
+    threads = min(groups, room)
+    why = (f"{cores} core(s) here: {cores - TARGET_THREADS} for writer threads, {TARGET_THREADS} for the target's"
+           if cores > TARGET_THREADS else f"{cores} core here, which the writer's thread and the target's share")
+    if threads < groups:
+        why += f"; {groups} GPU groups share them"
+    elif threads < ARTICLE_THREADS and threads == room:
+        why += f" (the article's {ARTICLE_THREADS} GPU threads would need {ARTICLE_THREADS + TARGET_THREADS})"
+    return threads, f"{threads} writer thread(s) for {groups} GPU group(s) + {TARGET_THREADS} target thread: {why}"
+
+
 class ThreadedWriter(MultiNicWriter):
-    """MultiNicWriter with ``threads`` worker threads, one per GPU group."""
+    """MultiNicWriter with ``threads`` worker threads driving ``groups`` GPU groups (as many as the threads
+    unless given: a thread per group; more groups are dealt to the threads). ``sizing`` says so in words.
+    From the command line and the bench (options_from_args) --threads sets the groups and writer_threads
+    the threads, so that they and the target's thread fit this machine's cores."""
 
     stage = "threaded"
 
@@ -30,20 +57,27 @@ class ThreadedWriter(MultiNicWriter):
         if threads > os.cpu_count():
             raise fi.UsageError(f"{threads} threads is more than this machine's {os.cpu_count()} cores")
         kw.setdefault("groups", threads)
+        if kw["groups"] < threads:
+            raise fi.UsageError(f"{threads} threads need at least as many GPU groups to drive, got {kw['groups']}")
         super().__init__(stack, server_address, timeout, **kw)
+        fit, why = writer_threads(self.groups)
+        self.sizing = why if fit == threads else (
+            f"{threads} writer thread(s) for {self.groups} GPU group(s), as asked, + {TARGET_THREADS} target thread "
+            f"on the {len(os.sched_getaffinity(0))} core(s) this process may use")
         self.thread_count, self.pin, self.shard, self.pad = threads, pin, shard, pad
 
     @classmethod
     def options_from_args(cls, args) -> dict:
-        """Chapters 9-10's options with --threads as the number of GPU groups, plus this stage's own."""
+        """Chapters 9-10's options with --threads as the number of GPU groups, driven by as many threads as
+        fit beside the target's (writer_threads), plus this stage's own."""
         if args.groups not in (1, args.threads):  # 1: --groups' default, i.e. not given
             raise fi.UsageError(f"--groups {args.groups} with --threads {args.threads}: from chapter 11 on every "
                                 "GPU group has a thread of its own, so --threads sets the groups; drop --groups")
-        return {**super().options_from_args(args), "groups": args.threads, "threads": args.threads,
+        return {**super().options_from_args(args), "groups": args.threads, "threads": writer_threads(args.threads)[0],
                 "pin": args.pin, "shard": args.shard, "pad": args.pad}
 
     def switches(self) -> dict:
-        return {**super().switches(), "threads": self.thread_count, "groups": self.thread_count,
+        return {**super().switches(), "threads": self.thread_count, "groups": self.groups,
                 "pin": int(self.pin), "shard": int(self.shard), "pad": int(self.shard and self.pad)}
 
 
@@ -51,10 +85,11 @@ def add_thread_options(parser) -> None:
     """Chapters 9-10's options plus the worker threads' (chapters 11-13)."""
     multi_nic.add_engine_options(parser)
     options = parser.add_argument_group("threads (chapters 11-13 on)")
-    options.add_argument("--threads", default=1,
+    options.add_argument("--threads", default=writer_threads()[0],
                          type=cli.count("threads", lambda: min(os.cpu_count() or 1, lib.FL_MAX_THREADS),
                                         "at most one per core of this machine: a worker thread polls without rest"),
-                         help="worker threads, one per GPU group, at most one per core (default %(default)s)")
+                         help="GPU groups, each with a worker thread while the cores last: writer threads and the "
+                              "target's never outnumber the cores this process may use (default %(default)s here)")
     options.add_argument("--no-pin", dest="pin", action="store_false", help="chapter 11: let the OS place threads")
     options.add_argument("--no-shard", dest="shard", action="store_false",
                          help="chapters 11-12: shared atomic counters")

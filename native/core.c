@@ -356,7 +356,7 @@ int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t extra_fla
                              .rma_iov = &rma, .rma_iov_count = 1, .context = &slot->ctx, .data = op->imm};
     slot->op = *op;
     uint64_t flags = FI_COMPLETION | extra_flags | ((op->flags & FL_OP_IMM) ? FI_REMOTE_CQ_DATA : 0) |
-                     (t->cfg->link_timeout_s > 0 ? FI_DELIVERY_COMPLETE : 0);
+                     (t->cfg->link_timeout_s > 0 || t->cfg->mark_last ? FI_DELIVERY_COMPLETE : 0);
     ssize_t rc = fi_writemsg(n->ep, &msg, flags);
     if (rc == 0) {
         slot->ep_gen = n->renewals;
@@ -403,14 +403,16 @@ int post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t extra_fla
 }
 
 /* Write number `seq` of a run (chapters 9-15): page seq % pages of the buffer to the same page of the
- * peer, immediate data seq, so the target can tell a write sent twice after a link failure. */
+ * peer, immediate data seq (when marked_write), so the target can tell a write sent twice after a link
+ * failure. */
 void page_op(const thread_ctx *t, int nic_index, uint64_t seq, fl_op *op) {
     const fl_nic *n = &t->e->nics[nic_index];
     uint32_t page = (uint32_t)(seq % t->pages);
     uint64_t off = (uint64_t)page * t->cfg->page_size;
     *op = (fl_op){.local = t->cfg->local_base + off, .remote = n->remote_base + off,
                   .len = page_length(t->cfg, page), .rkey = n->rkey, .imm = seq, .desc = n->desc, .dest = n->dest,
-                  .transfer = FL_NO_TRANSFER, .nic = (uint16_t)nic_index, .flags = FL_OP_IMM};
+                  .transfer = FL_NO_TRANSFER, .nic = (uint16_t)nic_index,
+                  .flags = marked_write(t, nic_index, seq) ? FL_OP_IMM : 0};
 }
 
 int check_timeout(thread_ctx *t, int nic_index) {

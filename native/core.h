@@ -98,6 +98,10 @@ typedef struct fl_config {
     int batch;              /* ch 14: writes enqueued per group per pass (1 = chapters 9-13) */
     int lazy;               /* ch 15: enqueue only; post from the completion loop after draining the CQ */
     int fi_more;            /* extra: FI_MORE on all but the last write of each run posted to one NIC */
+    int mark_last;          /* the article's receiver: only each group's last writes (one per NIC, by round
+                             * robin) carry immediate data, and every write asks for FI_DELIVERY_COMPLETE
+                             * (course.c says why); 0 = every write carries its sequence number, the
+                             * checking mode a counting target needs */
     int cores[FL_MAX_THREADS];
     uint64_t total_writes;  /* timed writes, over all groups */
     uint64_t page_size;
@@ -119,7 +123,14 @@ typedef struct fl_engine {
     char error[FL_ERROR_LEN];
     double elapsed_s;                  /* timed part of the last run */
     uint64_t timed_writes, timed_bytes;
+    uint64_t marked_writes;            /* writes of the last run that carried immediate data (fl_config.mark_last) */
     /* target side */
+    int marks_only;                    /* 0: every write carries its sequence number and is counted per page
+                                        * (the checking mode); 1: only the run's marked writes carry one
+                                        * (fl_config.mark_last), and the run is proved complete from them and
+                                        * the writer's word (course.c) */
+    volatile uint64_t writer_heard_ns; /* when the writer last said it is writing (set by the control
+                                        * channel's reader; fl_now_ns); 0 = not yet this run */
     uint32_t *page_counts;             /* distinct writes landed per page (page = immediate data % pages) */
     uint64_t pages;
     /* A write run's immediate data is the write's sequence number; a bit per number tells a write sent
@@ -127,8 +138,9 @@ typedef struct fl_engine {
     uint64_t *seen_writes;
     uint64_t seen_capacity;            /* bits */
     volatile uint64_t duplicates;      /* arrivals of a write that had landed before */
-    volatile uint64_t expected_arrivals; /* the target stops once this many distinct writes have landed */
-    volatile uint64_t arrivals;        /* published total of distinct writes */
+    volatile uint64_t expected_arrivals; /* the target stops once this many distinct writes (marked writes
+                                          * with marks_only) have landed */
+    volatile uint64_t arrivals;        /* published total of distinct writes (marked writes with marks_only) */
     uint64_t first_arrival_ns, last_arrival_ns; /* when the target saw the first and last write land */
     uint64_t target_page_size, target_buffer_bytes;
     /* Staged GPU memory: the NIC sees a pinned host copy at stage_host_base; each page is copied from

@@ -110,6 +110,7 @@ typedef struct group {
     int nics[FL_MAX_NICS];
     uint32_t rr;
     uint64_t quota, issued, completed; /* timed writes: to do, enqueued, completed */
+    uint64_t mark_from;                /* with fl_config.mark_last: the first of its writes that is marked */
 } group;
 
 /* A write waiting for room on one of its group's NICs after its own link went down. */
@@ -137,6 +138,15 @@ typedef struct thread_ctx {
     uint32_t reroute_rr;
     int incoming;         /* service: a peer's write landed on this worker's NICs since it last looked */
 } thread_ctx;
+
+/* Does write `seq` of a run carry its sequence number as immediate data? In the checking mode every write
+ * does (warm-up writes too: the target skips their numbers). With mark_last only the group's last writes,
+ * one per NIC by round robin: a write sent again after a link failure keeps its mark, as it keeps its
+ * number, so the target's count of marks never depends on failures. */
+static inline int marked_write(const thread_ctx *t, int nic_index, uint64_t seq) {
+    if (!t->cfg->mark_last) return 1;
+    return seq < t->cfg->total_writes && seq / (uint64_t)t->cfg->groups >= t->st->nics[nic_index].group->mark_from;
+}
 
 static inline int stopping(const fl_engine *e) { return __atomic_load_n(&e->stop, __ATOMIC_RELAXED); }
 

@@ -1,5 +1,5 @@
 /* The course's run loops (chapters 9-15): a timed write run over the engine core (core.c), one or many
- * threads driving GPU groups of NICs, and the target that counts what lands. See course.h. */
+ * threads driving GPU groups of NICs, and the one-thread target that waits for what lands. See course.h. */
 #define _GNU_SOURCE
 #include "core_internal.h"
 #include "course.h"
@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* Bind this thread to the CUDA context when memory is staged (a no-op otherwise). */
 static int staging_thread_setup(fl_engine *e) {
@@ -160,6 +161,33 @@ out:
     return NULL;
 }
 
+/* Each group's NICs, its share of the run's writes and the first of them that is marked (marked_write: the
+ * article marks each GPU's last writes, one per NIC, and the target waits for those); the run's marked
+ * writes in e->marked_writes. 0, or -FI_EINVAL with the reason in e->error. */
+static int plan_groups(fl_engine *e, const fl_config *cfg, group *groups) {
+    for (int i = 0; i < e->nnics; i++) {
+        int g = e->nics[i].group;
+        if (g < 0 || g >= cfg->groups) {
+            snprintf(e->error, FL_ERROR_LEN, "NIC %d belongs to group %d, outside 0..%d", i, g, cfg->groups - 1);
+            return -FI_EINVAL;
+        }
+        groups[g].nics[groups[g].nnics++] = i;
+    }
+    e->marked_writes = 0;
+    for (int g = 0; g < cfg->groups; g++) {
+        group *gr = &groups[g];
+        gr->quota = cfg->total_writes / cfg->groups + ((uint64_t)g < cfg->total_writes % cfg->groups);
+        if (gr->quota && gr->nnics == 0) {
+            snprintf(e->error, FL_ERROR_LEN, "group %d has writes to do but no NIC", g);
+            return -FI_EINVAL;
+        }
+        uint64_t last = (uint64_t)gr->nnics < gr->quota ? (uint64_t)gr->nnics : gr->quota;
+        gr->mark_from = cfg->mark_last ? gr->quota - last : 0;
+        e->marked_writes += gr->quota - gr->mark_from;
+    }
+    return 0;
+}
+
 int fl_write_run(fl_engine *e, const fl_config *cfg) {
     engine_state *st = e->state;
     e->error_code = 0;
@@ -185,22 +213,9 @@ int fl_write_run(fl_engine *e, const fl_config *cfg) {
         free(ctx); free(groups); free(tids);
         return e->error_code = -FI_ENOMEM;
     }
-    for (int i = 0; i < e->nnics; i++) {
-        int g = e->nics[i].group;
-        if (g < 0 || g >= cfg->groups) {
-            snprintf(e->error, FL_ERROR_LEN, "NIC %d belongs to group %d, outside 0..%d", i, g, cfg->groups - 1);
-            free(ctx); free(groups); free(tids);
-            return e->error_code = -FI_EINVAL;
-        }
-        groups[g].nics[groups[g].nnics++] = i;
-    }
-    for (int g = 0; g < cfg->groups; g++) {
-        groups[g].quota = cfg->total_writes / cfg->groups + ((uint64_t)g < cfg->total_writes % cfg->groups);
-        if (groups[g].quota && groups[g].nnics == 0) {
-            snprintf(e->error, FL_ERROR_LEN, "group %d has writes to do but no NIC", g);
-            free(ctx); free(groups); free(tids);
-            return e->error_code = -FI_EINVAL;
-        }
+    if ((rc = plan_groups(e, cfg, groups)) != 0) {
+        free(ctx); free(groups); free(tids);
+        return e->error_code = rc;
     }
     /* Groups are dealt to threads: with one thread it drives all of them (chapters 9-10). Each thread
      * gets its groups as one contiguous block of the group array. */
@@ -262,123 +277,186 @@ int fl_write_run(fl_engine *e, const fl_config *cfg) {
 
 /* ------------------------------------------------------------------------------------------ target */
 
+/* The target of chapters 9-15 is the article's receiver: one thread reads every NIC's completion queue.
+ *
+ * What proves a run complete (marks_only, the stages' default). Only each group's last writes carry
+ * immediate data (fl_config.mark_last), so only they make completions here. "Every NIC's last write has
+ * landed" proves the run complete only where a NIC's writes land in the order they were posted: fi_getinfo
+ * says so with FI_ORDER_WAW or FI_ORDER_RMA_WAW in msg_order and an unbounded max_order_waw_size
+ * (tcp;ofi_rxm here). It does not hold on EFA's RDM endpoints (SRD delivers out of order), nor on shm (tx
+ * msg_order FI_ORDER_SAS only, max_order_waw_size 0) or the sim provider (FI_ORDER_SAS): an earlier
+ * write may still be on its way when the last one lands. The article's receiver relies on it anyway. Here
+ * the run ends only when both
+ *   1. the writer has said the run is over (expected_arrivals, set when its control message comes), which
+ *      it says only after every write of the run completed on its side, each write having asked for
+ *      FI_DELIVERY_COMPLETE: its completion then means its bytes are in this host's memory (EFA's device
+ *      writes complete only once the peer's NIC placed them; the sim completes a write after its last
+ *      byte has landed). No provider here promises that by default (fi_getinfo's tx_attr.op_flags hold no
+ *      completion level), hence the flag on every write; and
+ *   2. every marked write has landed (expected_arrivals of them, each counted once: the article's signal,
+ *      which also tells the target when the last write landed).
+ *
+ * The checking mode (marks_only 0): every write carries its sequence number and is counted once (a bit per
+ * write), per page; staged pages are copied to the GPU as they land. Tests assert exact counts with it.
+ *
+ * Liveness: once the writer has said it is writing (writer_heard_ns) or a write has landed, silence (no word,
+ * no write) for timeout_s is an error, so a writer that died mid-run ends the loop with a clear error rather
+ * than a target polling for ever. Before any of that the target waits for a run without limit, asleep.
+ *
+ * Backing off: with FI_PROGRESS_MANUAL (shm, tcp) writes move only while the target reads its queues, so
+ * during a run it reads them without rest, but yields its core on every empty pass (a writer thread
+ * sharing the core runs first). With FI_PROGRESS_AUTO (EFA, sim) the provider moves writes by itself: an
+ * idle target sleeps, up to IDLE_SLEEP_MAX_NS at a time, as any target does before its run starts. */
+
+#define IDLE_SPIN_PASSES 64                /* empty passes, each yielding the core, before the first sleep */
+#define IDLE_SLEEP_MIN_NS 50000ull
+#define IDLE_SLEEP_MAX_NS 1000000ull       /* the longest a landing (or a stop) waits to be seen */
+
 typedef struct target_ctx {
     fl_engine *e;
-    int id, threads, pin, core;
+    int core, manual;
     uint64_t timeout_ns;
 } target_ctx;
 
-static void publish_arrival_times(fl_engine *e, uint64_t first, uint64_t last) {
-    if (!first) return;
-    uint64_t seen = __atomic_load_n(&e->first_arrival_ns, __ATOMIC_RELAXED);
-    while ((seen == 0 || first < seen) &&
-           !__atomic_compare_exchange_n(&e->first_arrival_ns, &seen, first, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+/* Count a batch of completions: each marked write once (a bit per write), and in the checking mode its page
+ * too, copying a staged page to the GPU. Returns the new writes, or -1 (the engine failed). */
+static int64_t take_arrivals(fl_engine *e, const struct fi_cq_data_entry *entries, ssize_t got) {
+    int64_t counted = 0;
+    for (ssize_t k = 0; k < got; k++) {
+        if (!(entries[k].flags & FI_REMOTE_CQ_DATA)) continue;
+        uint64_t seq = entries[k].data;
+        if (e->seen_writes) {
+            if (seq >= e->seen_capacity) continue; /* a warm-up write */
+            uint64_t bit = 1ull << (seq & 63);
+            if (e->seen_writes[seq >> 6] & bit) {
+                e->duplicates++;
+                continue;
+            }
+            e->seen_writes[seq >> 6] |= bit;
+        }
+        uint64_t page = e->pages ? seq % e->pages : seq;
+        if (!e->marks_only && page < e->pages) {
+            e->page_counts[page]++;
+            if (e->stage_device_base) {
+                uint64_t off = page * e->target_page_size, rest = e->target_buffer_bytes - off;
+                if (stage_page(e, e->stage_device_base, e->stage_host_base, off,
+                               rest < e->target_page_size ? rest : e->target_page_size))
+                    return -1;
+            }
+        }
+        counted++;
     }
-    seen = __atomic_load_n(&e->last_arrival_ns, __ATOMIC_RELAXED);
-    while (last > seen &&
-           !__atomic_compare_exchange_n(&e->last_arrival_ns, &seen, last, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    return counted;
+}
+
+/* One pass over every NIC's queue: 1 if anything came, 0 if not, -1 (the engine failed). */
+static int read_queues(fl_engine *e, struct fi_cq_data_entry *entries) {
+    int got_any = 0;
+    for (int i = 0; i < e->nnics; i++) {
+        fl_nic *n = &e->nics[i];
+        ssize_t got = fi_cq_read(n->cq, entries, CQ_BATCH);
+        n->cq_polls++;
+        if (got == -FI_EAGAIN) continue;
+        if (got == -FI_EAVAIL) {
+            struct fi_cq_err_entry err = {0};
+            char buf[256] = "";
+            fi_cq_readerr(n->cq, &err, 0);
+            n->errors++;
+            fail(e, -err.err, "target NIC %d: %s (%s)", i, fi_strerror(err.err),
+                 fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf));
+            return -1;
+        }
+        if (got < 0) {
+            fail(e, (int)got, "target NIC %d: fi_cq_read: %s", i, fi_strerror((int)-got));
+            return -1;
+        }
+        int64_t counted = take_arrivals(e, entries, got);
+        if (counted < 0) return -1;
+        n->arrivals += (uint64_t)counted;
+        e->arrivals += (uint64_t)counted;
+        got_any = 1;
     }
+    return got_any;
+}
+
+static void target_silent(fl_engine *e, uint64_t expected, double timeout_s) {
+    const char *what = e->marks_only ? "marked last writes" : "writes";
+    if (expected != UINT64_MAX)
+        fail(e, -FI_ETIMEDOUT, "only %llu of the run's %llu %s arrived; nothing more for %.1f s",
+             (unsigned long long)e->arrivals, (unsigned long long)expected, what, timeout_s);
+    else
+        fail(e, -FI_ETIMEDOUT, "the writer went silent mid-run: no write landed and no word came for %.1f s "
+             "(%llu %s had landed); is it gone?", timeout_s, (unsigned long long)e->arrivals, what);
 }
 
 static void *target_thread(void *arg) {
     target_ctx *t = arg;
     fl_engine *e = t->e;
-    if (t->pin) {
+    pthread_setname_np(pthread_self(), "fl-target");
+    if (t->core >= 0) {
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(t->core, &set);
-        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set); /* best effort: unpinned is still correct */
     }
     struct fi_cq_data_entry entries[CQ_BATCH];
     if (staging_thread_setup(e)) return NULL;
-    uint64_t last_arrival = fl_now_ns(), first_seen = 0, last_seen = 0;
-    uint64_t passes = 0, idle_passes = 0;
+    uint64_t last_arrival = 0, first_word = 0, idle_passes = 0, sleep_ns = IDLE_SLEEP_MIN_NS;
+    int complete = 0;
     while (!stopping(e)) {
-        int got_any = 0;
-        for (int i = t->id; i < e->nnics; i += t->threads) {
-            fl_nic *n = &e->nics[i];
-            ssize_t got = fi_cq_read(n->cq, entries, CQ_BATCH);
-            n->cq_polls++;
-            if (got == -FI_EAGAIN) continue;
-            if (got == -FI_EAVAIL) {
-                struct fi_cq_err_entry err = {0};
-                char buf[256] = "";
-                fi_cq_readerr(n->cq, &err, 0);
-                n->errors++;
-                fail(e, -err.err, "target NIC %d: %s (%s)", i, fi_strerror(err.err),
-                     fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf));
-                return NULL;
-            }
-            if (got < 0) {
-                fail(e, (int)got, "target NIC %d: fi_cq_read: %s", i, fi_strerror((int)-got));
-                return NULL;
-            }
-            uint64_t counted = 0;
-            for (ssize_t k = 0; k < got; k++) {
-                if (!(entries[k].flags & FI_REMOTE_CQ_DATA)) continue;
-                uint64_t seq = entries[k].data;
-                if (e->seen_writes) {
-                    if (seq >= e->seen_capacity) continue; /* a warm-up write */
-                    uint64_t bit = 1ull << (seq & 63);
-                    if (__atomic_fetch_or(&e->seen_writes[seq >> 6], bit, __ATOMIC_RELAXED) & bit) {
-                        __atomic_fetch_add(&e->duplicates, 1, __ATOMIC_RELAXED);
-                        continue;
-                    }
-                }
-                uint64_t page = e->pages ? seq % e->pages : seq;
-                if (page < e->pages) {
-                    __atomic_fetch_add(&e->page_counts[page], 1, __ATOMIC_RELAXED);
-                    if (e->stage_device_base) {
-                        uint64_t off = page * e->target_page_size, rest = e->target_buffer_bytes - off;
-                        if (stage_page(e, e->stage_device_base, e->stage_host_base, off,
-                                       rest < e->target_page_size ? rest : e->target_page_size))
-                            return NULL;
-                    }
-                }
-                counted++;
-            }
-            n->arrivals += counted;
-            if (counted) {
-                __atomic_fetch_add(&e->arrivals, counted, __ATOMIC_RELAXED);
-                last_seen = fl_now_ns();
-                if (!first_seen) first_seen = last_seen;
-            }
-            got_any = 1;
+        int got_any = read_queues(e, entries);
+        if (got_any < 0) return NULL;
+        uint64_t now = fl_now_ns();
+        if (got_any) {
+            if (!e->first_arrival_ns) e->first_arrival_ns = now;
+            last_arrival = e->last_arrival_ns = now;
+            idle_passes = 0;
+            sleep_ns = IDLE_SLEEP_MIN_NS;
         }
-        if (got_any) last_arrival = fl_now_ns();
-        else if ((idle_passes++ & 1023) == 1023) sched_yield(); /* as the writers do: give way to a thread with work */
-        uint64_t expected = __atomic_load_n(&e->expected_arrivals, __ATOMIC_RELAXED);
-        if (__atomic_load_n(&e->arrivals, __ATOMIC_RELAXED) >= expected) break;
-        if ((++passes & 1023) == 0 && expected != UINT64_MAX && fl_now_ns() - last_arrival > t->timeout_ns) {
-            fail(e, -FI_ETIMEDOUT, "only %llu of %llu writes arrived; nothing more for %.1f s",
-                 (unsigned long long)e->arrivals, (unsigned long long)expected, t->timeout_ns / 1e9);
+        uint64_t expected = __atomic_load_n(&e->expected_arrivals, __ATOMIC_ACQUIRE);
+        if (e->arrivals >= expected) {
+            complete = 1;
             break;
         }
+        uint64_t heard = __atomic_load_n(&e->writer_heard_ns, __ATOMIC_RELAXED);
+        if (heard && !first_word) first_word = heard;
+        uint64_t alive = heard > last_arrival ? heard : last_arrival;
+        if (alive && now > alive && now - alive > t->timeout_ns) {
+            target_silent(e, expected, t->timeout_ns / 1e9);
+            break;
+        }
+        if (got_any) continue;
+        if ((alive && t->manual) || ++idle_passes <= IDLE_SPIN_PASSES) {
+            sched_yield(); /* a run is on, and its writes move only while this thread reads its queues */
+            continue;
+        }
+        struct timespec pause = {0, (long)sleep_ns};
+        nanosleep(&pause, NULL);
+        sleep_ns = sleep_ns * 2 < IDLE_SLEEP_MAX_NS ? sleep_ns * 2 : IDLE_SLEEP_MAX_NS;
     }
-    publish_arrival_times(e, first_seen, last_seen);
+    /* landed_s in the article's mode: from the writer's first word, as no earlier write announces itself */
+    if (e->marks_only && first_word) e->first_arrival_ns = first_word;
+    /* staged GPU memory: the article's receiver copies what landed once, after the run */
+    if (complete && e->marks_only && e->stage_device_base)
+        stage_page(e, e->stage_device_base, e->stage_host_base, 0, e->target_buffer_bytes);
     return NULL;
 }
 
-int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s) {
+int fl_target_run(fl_engine *e, int core, int manual_progress, double timeout_s) {
     e->error_code = 0;
     e->error[0] = 0;
-    if (threads <= 0 || threads > FL_MAX_THREADS || !e->page_counts) {
+    if ((!e->marks_only && !e->page_counts) || !(timeout_s > 0)) {
         snprintf(e->error, FL_ERROR_LEN, "invalid target configuration");
         return e->error_code = -FI_EINVAL;
     }
-    target_ctx ctx[FL_MAX_THREADS];
-    pthread_t tids[FL_MAX_THREADS];
-    int started = 0;
-    for (; started < threads; started++) {
-        ctx[started] = (target_ctx){e, started, threads, pin, cores ? cores[started] : 0,
-                                    (uint64_t)(timeout_s * 1e9)};
-        int rc = pthread_create(&tids[started], NULL, target_thread, &ctx[started]);
-        if (rc) {
-            fail(e, -rc, "cannot start target thread %d: %s", started, strerror(rc));
-            break;
-        }
+    e->first_arrival_ns = e->last_arrival_ns = 0;
+    target_ctx ctx = {e, core, manual_progress, (uint64_t)(timeout_s * 1e9)};
+    pthread_t tid;
+    int rc = pthread_create(&tid, NULL, target_thread, &ctx);
+    if (rc) {
+        fail(e, -rc, "cannot start the target thread: %s", strerror(rc));
+        return e->error_code;
     }
-    for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
+    pthread_join(tid, NULL);
     return e->error_code;
 }
-

@@ -31,6 +31,8 @@ struct iovec { void *iov_base; size_t iov_len; ...; };
 #define FI_DELIVERY_COMPLETE ...
 #define FI_INJECT_COMPLETE ...
 #define FI_TRANSMIT_COMPLETE ...
+#define FI_ORDER_WAW ...
+#define FI_ORDER_RMA_WAW ...
 
 /* mode bits */
 #define FI_CONTEXT ...
@@ -131,7 +133,8 @@ struct fi_context2 { void *internal[8]; };
 struct fi_tx_attr { uint64_t caps; uint64_t mode; uint64_t op_flags; uint64_t msg_order; size_t inject_size;
                     size_t size; size_t iov_limit; size_t rma_iov_limit; ...; };
 struct fi_rx_attr { uint64_t caps; uint64_t mode; uint64_t op_flags; size_t size; size_t iov_limit; ...; };
-struct fi_ep_attr { int type; uint32_t protocol; size_t max_msg_size; size_t msg_prefix_size; ...; };
+struct fi_ep_attr { int type; uint32_t protocol; size_t max_msg_size; size_t msg_prefix_size;
+                    size_t max_order_waw_size; ...; };
 struct fi_domain_attr { struct fid_domain *domain; char *name; int threading; int control_progress;
                         int data_progress; int av_type; int mr_mode; size_t mr_key_size; size_t cq_data_size;
                         size_t cq_cnt; size_t ep_cnt; size_t tx_ctx_cnt; size_t rx_ctx_cnt;
@@ -250,7 +253,7 @@ typedef struct fl_nic {
     ...;
 } fl_nic;
 typedef struct fl_config {
-    int threads; int groups; int warmup; int pin; int shard; int pad; int batch; int lazy; int fi_more;
+    int threads; int groups; int warmup; int pin; int shard; int pad; int batch; int lazy; int fi_more; int mark_last;
     int cores[...];
     uint64_t total_writes; uint64_t page_size; uint64_t buffer_bytes; uint64_t local_base; double timeout_s;
     double link_timeout_s;
@@ -258,7 +261,8 @@ typedef struct fl_config {
 } fl_config;
 typedef struct fl_engine {
     int nnics; fl_nic *nics; volatile int stop; int error_code; char error[...];
-    double elapsed_s; uint64_t timed_writes, timed_bytes;
+    double elapsed_s; uint64_t timed_writes, timed_bytes; uint64_t marked_writes;
+    int marks_only; volatile uint64_t writer_heard_ns;
     uint32_t *page_counts; uint64_t pages; uint64_t *seen_writes; uint64_t seen_capacity; volatile uint64_t duplicates;
     volatile uint64_t expected_arrivals; volatile uint64_t arrivals;
     uint64_t first_arrival_ns, last_arrival_ns;
@@ -291,7 +295,7 @@ void fl_imm_usage_get(fl_engine *e, fl_imm_usage *out);
 
 /* ------------------------------------------------------------- the course's run loops (course.h) */
 int fl_write_run(fl_engine *e, const fl_config *cfg);
-int fl_target_run(fl_engine *e, int threads, const int *cores, int pin, double timeout_s);
+int fl_target_run(fl_engine *e, int core, int manual_progress, double timeout_s);
 
 /* ---------------------------------------------------------- the library's service (service.h) */
 typedef struct fl_request {

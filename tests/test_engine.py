@@ -66,7 +66,7 @@ def test_a_pinned_writer_leaves_the_target_other_cores(target):
 @pytest.mark.parametrize("cls, options, total, page", CASES, ids=[f"{c[0].stage}-{i}" for i, c in enumerate(CASES)])
 def test_every_page_lands_exactly_once(target, cls, options, total, page):
     fabric, server = target
-    with writer_for(fabric, server, cls, **options) as writer:
+    with writer_for(fabric, server, cls, count_writes=True, **options) as writer:  # the checking mode counts each
         plan, stats, report = transfer_once(writer, total, page)
         assert stats.writes == plan.pages and stats.bytes == total
         assert report.arrivals == plan.pages == report.distinct_pages

@@ -1,5 +1,6 @@
 """AddressSanitizer and ThreadSanitizer builds of the native engine, run on a short transfer
-(native/selftest: a target and a 2-thread batched, lazy, FI_MORE writer over shm in one process)."""
+(native/selftest: a target and a 2-thread batched, lazy, FI_MORE writer over shm in one process, counting
+every write, then as the article's receiver)."""
 import subprocess
 
 import pytest
@@ -33,6 +34,7 @@ def run_sanitized(binary, *args):
 def test_engine_under_sanitizer(sanitizer, tmp_path):
     run = run_sanitized(sanitized_build(sanitizer, "engine_selftest", tmp_path))
     assert "engine selftest: 257 writes, ok" in run.stdout
+    assert "engine selftest, last writes marked: 257 writes, 4 marks, ok" in run.stdout
 
 
 @pytest.mark.parametrize("sanitizer, values", [("address", 20000), ("thread", 20000), (None, 300000)])

@@ -453,7 +453,9 @@ def per_variant(results: dict, metric) -> dict:
 
 
 def every_write_counted(results) -> bool:
-    """Every run verified by its target: each write's immediate data counted once, every byte as sent."""
+    """Every run verified by its target: all its writes landed (counted one by one in the checking mode,
+    proved by the run's last writes and the writer's word otherwise: multi_nic.MultiNicTarget), none
+    twice, every byte as sent."""
     return all(r.verified and r.landed == r.writes and not r.duplicates for r in results)
 
 

@@ -121,6 +121,7 @@ class BenchConfig:
     groups: int = DEFAULTS["groups"]
     warmup: bool = DEFAULTS["warmup"]
     link_timeout: float | None = DEFAULTS["link_timeout"]  # a link silent this long is failed over (None: timeout/3)
+    count_writes: bool = DEFAULTS["count_writes"]  # the target counts every write (the checking mode)
     threads: int = DEFAULTS["threads"]
     pin: bool = DEFAULTS["pin"]
     shard: bool = DEFAULTS["shard"]
@@ -185,9 +186,13 @@ class BenchResult:
     line_gbps: float = 0.0  # the NICs' aggregate link speed as the provider reports it (0: not reported)
     runs_gbps: list = field(default_factory=list)  # every interleaved run of this configuration (progression)
     memcpy_method: str = ""  # how memcpy_gbps was measured (memcpy_rate)
+    groups: int = 1  # GPU groups the writer's threads drive
+    target_threads: int = 1  # threads the target polled with
+    cores: int = 0  # cores this process may use (os.sched_getaffinity): writer and target threads share them
+    counted: bool = True  # the target counted every write (checking mode), else only each NIC's last
 
-    COLUMNS = ("stage", "provider", "memory", "nics", "threads", "page", "in flight", "bytes", "elapsed s", "Gbps",
-               "% of line", "Mops/s", "ns CPU/op", "verified")
+    COLUMNS = ("stage", "provider", "memory", "nics", "threads w+t", "page", "in flight", "bytes", "elapsed s",
+               "Gbps", "% of line", "Mops/s", "ns CPU/op", "verified")
 
     def row(self) -> tuple:
         nics = f"{self.nics}" + (f" ({self.emulated_nics} emu)" if self.emulated_nics else "")
@@ -195,7 +200,7 @@ class BenchResult:
         if len(self.runs_gbps) > 1:
             gbps += f" ({min(self.runs_gbps):.1f}-{max(self.runs_gbps):.1f})"
         return (self.label or self.stage, self.provider + (" (modeled)" if self.modeled else ""), self.memory, nics,
-                str(self.threads), cli.format_size(self.page_size), str(self.in_flight),
+                f"{self.threads}+{self.target_threads}", cli.format_size(self.page_size), str(self.in_flight),
                 cli.format_size(self.total_bytes), f"{self.elapsed_s:.3f}", gbps,
                 f"{self.gbps / self.line_gbps * 100:.1f}" if self.line_gbps else "-", f"{self.mops:.3f}",
                 f"{self.cpu_ns_per_op:.0f}", str(self.verified))
@@ -379,7 +384,9 @@ class Bench:
             nics=getattr(stats, "nics", 1), emulated_nics=getattr(stats, "emulated_nics", 0), threads=threads,
             landed_gbps=stats.bytes * 8 / report.landed_s / 1e9 if report.landed_s > 0 else 0.0,
             paths=paths, per_nic=getattr(stats, "per_nic", []), label=label, duplicates=report.duplicates,
-            modeled=info.modeled, line_gbps=nics * link_bps / 1e9, runs_gbps=[stats.gbps])
+            modeled=info.modeled, line_gbps=nics * link_bps / 1e9, runs_gbps=[stats.gbps],
+            groups=getattr(stats, "groups", 1), target_threads=report.target_threads,
+            cores=len(os.sched_getaffinity(0)), counted=report.counted)
 
     def close(self) -> None:
         for _, writer in self._writers.values():
@@ -789,10 +796,24 @@ def format_defaults(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cores_used(results: list[BenchResult]) -> str:
+    """What the "threads w+t" column means, in words: each writer and target thread polls a core of its own,
+    on the cores this process may use; and how the target knew the run complete."""
+    cores = max(r.cores for r in results)
+    groups = sorted({r.groups for r in results})
+    how = ("counting every write" if all(r.counted for r in results) else
+           "waiting for each NIC's last write (as the article's receiver)" if not any(r.counted for r in results)
+           else "counting every write in some runs, only each NIC's last in others")
+    return (f"threads w+t: writer threads + target threads, each polling a core of its own, on the {cores} core(s) "
+            f"this process may use; {', '.join(map(str, groups))} GPU group(s); the target verified each run "
+            f"{how}")
+
+
 def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: float = 0.0) -> None:
     if any(r.modeled for r in results):
         print("MODELED figures: NICs of the sim provider (docs/model.md); Gbps and % of line are the model's "
               "line, the CPU cost is this machine's")
+    print(cores_used(results))
     if any(len(r.runs_gbps) > 1 for r in results):
         print(f"Gbps: median of {len(results[0].runs_gbps)} interleaved runs (min-max)")
     print(format_table(results))
@@ -850,6 +871,9 @@ def main(args) -> int:
         if args.json:
             print(json.dumps(r))
         return 0
+    if args.progression or config.stage in ("threaded", "batched"):
+        print(f"threads: {threaded.writer_threads(config.threads)[1]}"
+              + ("; chapters 9-10: 1 writer thread walks the groups" if args.progression else ""), flush=True)
     if args.progression:
         results = progression(rounds=args.rounds, **asdict(config))
     elif args.sweep:

@@ -1,7 +1,8 @@
 /* The engine on its own, for the sanitizer builds the test suite makes: one process holds a target and
  * a writer on the shm provider (each with its own fabric, as two processes would), runs the target loop in
  * a thread and a multi-threaded, batched, lazy write run in another, then checks every page landed once
- * and byte for byte. Exit status 0 = all good. */
+ * and byte for byte; then once more as the article's receiver (only each NIC's last write marked, the
+ * target waiting for those), checking the marks and the bytes. Exit status 0 = all good. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -72,8 +73,26 @@ static void close_side(side *s) {
 
 static void *run_target(void *arg) {
     fl_engine *e = arg;
-    fl_target_run(e, 2, NULL, 0, 10.0);
+    fl_target_run(e, -1, 1, 10.0); /* unpinned; shm moves writes only while the target polls */
     return NULL;
+}
+
+/* One write run of every page into the target, its loop in a thread until `expected` writes (or marks) landed;
+ * nonzero if either side failed or the bytes differ. */
+static int run_once(side *writer, side *target, int mark_last, uint64_t expected) {
+    target->engine->expected_arrivals = expected;
+    target->engine->arrivals = 0;
+    pthread_t tid;
+    pthread_create(&tid, NULL, run_target, target->engine);
+    fl_config cfg = {.threads = 2, .groups = 2, .warmup = 0, .pin = 0, .shard = 1, .pad = 1, .batch = 16,
+                     .lazy = 1, .fi_more = 1, .mark_last = mark_last, .total_writes = PAGES, .page_size = PAGE,
+                     .buffer_bytes = (uint64_t)PAGES * PAGE, .local_base = (uint64_t)(uintptr_t)writer->buffer,
+                     .timeout_s = 10.0};
+    int rc = fl_write_run(writer->engine, &cfg);
+    pthread_join(tid, NULL);
+    if (rc) fprintf(stderr, "writer: %s\n", writer->engine->error);
+    if (target->engine->error_code) fprintf(stderr, "target: %s\n", target->engine->error);
+    return rc != 0 || target->engine->error_code != 0 || memcmp(writer->buffer, target->buffer, (size_t)PAGES * PAGE);
 }
 
 int main(void) {
@@ -103,21 +122,20 @@ int main(void) {
     uint32_t counts[PAGES] = {0};
     target.engine->page_counts = counts;
     target.engine->pages = PAGES;
-    target.engine->expected_arrivals = PAGES;
-    pthread_t tid;
-    pthread_create(&tid, NULL, run_target, target.engine);
-    fl_config cfg = {.threads = 2, .groups = 2, .warmup = 0, .pin = 0, .shard = 1, .pad = 1, .batch = 16,
-                     .lazy = 1, .fi_more = 1, .total_writes = PAGES, .page_size = PAGE,
-                     .buffer_bytes = (uint64_t)PAGES * PAGE, .local_base = (uint64_t)(uintptr_t)writer.buffer,
-                     .timeout_s = 10.0};
-    int rc = fl_write_run(writer.engine, &cfg);
-    pthread_join(tid, NULL);
-    int bad = rc != 0 || target.engine->error_code != 0;
-    if (rc) fprintf(stderr, "writer: %s\n", writer.engine->error);
-    if (target.engine->error_code) fprintf(stderr, "target: %s\n", target.engine->error);
+    int bad = run_once(&writer, &target, 0, PAGES);
     for (int p = 0; p < PAGES; p++) bad |= counts[p] != 1;
-    bad |= memcmp(writer.buffer, target.buffer, (size_t)PAGES * PAGE) != 0;
     printf("engine selftest: %llu writes, %s\n", (unsigned long long)writer.engine->timed_writes, bad ? "FAILED" : "ok");
+    /* the article's receiver: 2 groups of 2 NICs, so each group's last 2 writes are marked */
+    for (size_t i = 0; i < (size_t)PAGES * PAGE; i++) writer.buffer[i] = (char)(i * 13 + 5);
+    memset(target.buffer, 0, (size_t)PAGES * PAGE);
+    target.engine->marks_only = 1;
+    int marks_bad = run_once(&writer, &target, 1, 4) || writer.engine->marked_writes != 4 ||
+                    target.engine->arrivals != 4;
+    for (int p = 0; p < PAGES; p++) marks_bad |= counts[p] != 1; /* marks are not counted per page */
+    printf("engine selftest, last writes marked: %llu writes, %llu marks, %s\n",
+           (unsigned long long)writer.engine->timed_writes, (unsigned long long)target.engine->arrivals,
+           marks_bad ? "FAILED" : "ok");
+    bad |= marks_bad;
     close_side(&writer);
     close_side(&target);
     fi_freeinfo(info);

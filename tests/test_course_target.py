@@ -1,0 +1,198 @@
+"""The target of chapters 9-15 as the article's receiver (issue 23): one thread polling every NIC, waiting for
+each NIC's last write and the writer's word; byte-exact on shm, tcp and the model in payload mode, with 1..N
+writer threads; the checking mode still counts every write; a writer that dies mid-run is a clear error at
+the target, not a hang. And threads sized to the box: writer threads plus the target's never outnumber the
+cores this process may use, and the bench says so with every figure."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fabriclab import bidirectional, fi, memory, multi_nic, rdma_write, threaded
+from fabriclab.tools import bench
+from fabriclab.tools.peers import start_server
+from conftest import PROVIDERS, provider_args
+
+HERE = Path(__file__).resolve().parent
+SIM = (fi.MODELED_PROVIDER, None)
+# the model moves bytes only in payload mode; libfabric reads it once per process, so both sides get it
+PAYLOAD = {"FABRICLAB_SIM_PAYLOAD": "1"}
+
+
+@pytest.fixture(params=PROVIDERS + [SIM], ids=[p for p, _ in PROVIDERS] + ["sim-payload"])
+def any_fabric(request):
+    provider, _ = request.param
+    if provider not in fi.available_providers():
+        pytest.skip(f"provider {provider} is not available here")
+    return request.param
+
+
+def run_writer(fabric, address, threads, groups, nics, total, rounds=1, count=False, env=None):
+    """tests/course_writer.py to the end: its JSON line per transfer."""
+    args = [sys.executable, str(HERE / "course_writer.py"), fabric[0], fabric[1] or "-", address, str(threads),
+            str(groups), str(nics), str(total), str(rounds)] + (["count"] if count else [])
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def article_marks(of_slot, writes):
+    """The article's rule, worked out apart from the engine: group g's last min(its NICs, its writes) writes
+    carry immediate data, the writes being dealt to the groups in turn."""
+    groups = max(of_slot) + 1
+    quota = [writes // groups + (g < writes % groups) for g in range(groups)]
+    return sum(min(list(of_slot).count(g), quota[g]) for g in range(groups))
+
+
+def target_threads(server) -> int:
+    """The target process's engine threads (native/course.c names them fl-target)."""
+    tasks = Path(f"/proc/{server.proc.pid}/task")
+    return sum((t / "comm").read_text().strip() == "fl-target" for t in tasks.iterdir() if (t / "comm").exists())
+
+
+# (writer threads, GPU groups, NIC slots): chapter 9's one thread walking groups (threads 0), then 1..N
+# writer threads, each with a group or with several
+LAYOUTS = [(0, 2, 3), *[(t, t, 2 * t) for t in range(1, (os.cpu_count() or 1) + 1)], (1, 3, 3)]
+
+
+@pytest.mark.parametrize("threads, groups, nics", LAYOUTS, ids=[f"t{t}-g{g}-n{n}" for t, g, n in LAYOUTS])
+def test_one_target_thread_receives_every_run_byte_exact(any_fabric, threads, groups, nics):
+    env = PAYLOAD if any_fabric == SIM else {}
+    with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "10", env=env) as server:
+        total = 3 * (1 << 20) + 4096 * 5 + 17  # every page three times over, and a short last page
+        runs = run_writer(any_fabric, server.address_hex, threads, groups, nics, total, rounds=2, env=env)
+        assert len(runs) == 2
+        for run in runs:
+            report = run["report"]
+            assert report["counted"] is False and report["target_threads"] == 1
+            assert report["verified"] is True, report  # byte-exact: the model too, in payload mode
+            assert report["arrivals"] == run["writes"] and report["duplicates"] == 0
+            assert report["marks"] == run["marks_sent"] == article_marks(run["of_slot"], run["writes"])
+            assert report["distinct_pages"] == 0  # nothing was counted page by page
+            assert run["threads"] == max(threads, 1)
+        assert len(server.wait_for_log(r"1 target thread.*waiting for each NIC's last write").group(0)) > 0
+        assert target_threads(server) == 0  # the run is over: its thread is gone, not polling on
+
+
+def test_the_target_runs_one_thread_whatever_the_writer_has(fabric):
+    """However many writer threads, the target polls every NIC from one thread, started at PREPARE."""
+    with start_server("fabriclab.multi_nic", *provider_args(*fabric), "--timeout", "10") as server:
+        stack = memory.open_endpoint(fabric[0], fabric[1], "host")
+        threads = os.cpu_count() or 1
+        with threaded.ThreadedWriter(stack, server.address_hex, 10, domains=fabric[1], nics=2 * threads,
+                                     threads=threads, pin=False) as writer:
+            writer.prepare(rdma_write.PagePlan.for_total(4096, 1 << 20))
+            assert target_threads(server) == 1
+            writer.transfer()
+            assert writer.finish().verified is True
+            with pytest.raises(fi.UsageError, match=r"call prepare\(\) again before the next transfer"):
+                writer.transfer()  # the target's run ended with the last one: nobody would poll for these writes
+        stack.close()
+
+
+@pytest.mark.parametrize("threads", [0, 1, os.cpu_count() or 1])
+def test_the_checking_mode_still_counts_every_write(any_fabric, threads):
+    env = PAYLOAD if any_fabric == SIM else {}
+    with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "10", env=env) as server:
+        (run,) = run_writer(any_fabric, server.address_hex, threads, max(threads, 2), 4, 3 << 20, count=True, env=env)
+        report, pages = run["report"], (1 << 20) // 4096
+        assert report["counted"] is True and report["verified"] is True
+        assert report["arrivals"] == run["writes"] == 3 * pages == run["marks_sent"]
+        assert report["distinct_pages"] == pages and report["min_per_page"] == report["max_per_page"] == 3
+        server.wait_for_log(r"1 target thread.*counting every write")
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_writer_gone_mid_run_is_a_timeout_at_the_target_not_a_hang(any_fabric, how):
+    """The writer dies (or stops) mid-run: the target, which sees no write until the last ones, says so
+    within its timeout, frees its thread, and serves the next writer."""
+    env = PAYLOAD if any_fabric == SIM else {}
+    with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "3", env=env) as server:
+        args = [sys.executable, str(HERE / "course_writer.py"), any_fabric[0], any_fabric[1] or "-",
+                server.address_hex, "1", "2", "2", str(1 << 38), "1"]
+        writer = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                  env={**os.environ, **env})
+        try:
+            assert writer.stdout.readline().strip() == "prepared"
+            time.sleep(1.0)  # the run is on: heartbeats every HEARTBEAT_S, no write announces itself
+            assert target_threads(server) == 1
+            writer.send_signal(getattr(signal, how))
+            start = time.monotonic()
+            line = server.wait_for_log(r"target: the run failed: (.*)", timeout=20).group(1)
+            assert "the writer went silent mid-run" in line and "no word came for 3.0 s" in line, line
+            assert time.monotonic() - start < 15
+            deadline = time.monotonic() + 5
+            while target_threads(server) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert target_threads(server) == 0
+        finally:
+            writer.kill()
+            writer.wait(10)
+        (run,) = run_writer(any_fabric, server.address_hex, 1, 2, 2, 1 << 20, env=env)  # the target serves on
+        assert run["report"]["verified"] is True
+
+
+def test_the_writers_word_is_checked(fabric):
+    """RUN_OVER and DONE come from a peer: numbers outside the prepared run, or from another writer, are
+    refused with the reason, and the target serves on."""
+    with start_server("fabriclab.multi_nic", *provider_args(*fabric), "--timeout", "10") as server:
+        stacks = [memory.open_endpoint(fabric[0], fabric[1], "host") for _ in range(2)]
+        owner, other = (multi_nic.MultiNicWriter(s, server.address_hex, 10, domains=fabric[1], nics=2)
+                        for s in stacks)
+        owner.prepare(rdma_write.PagePlan.for_total(4096, 1 << 20))
+        for writer, request, message in [
+                (owner, {"writes": 256, "marks": 10 ** 9}, "marks must be a whole number from 0 to the 256"),
+                (owner, {"writes": "all", "marks": 2}, "writes must be a whole number"),
+                (owner, {"writes": 256, "marks": True}, "marks must be a whole number"),
+                (other, {"writes": 256, "marks": 2}, f"writer {other.client_id} has no run here")]:
+            with pytest.raises(fi.UsageError, match=message):
+                writer._call(rdma_write.DONE, {**request, "verify": False}, rdma_write.REPORT)
+        writer = owner
+        writer.mailbox.send(writer.server_addr, multi_nic.RUN_OVER, writer.client_id, 0, b"not json")
+        server.wait_for_log(r"refused .* a request that is not JSON")
+        writer.transfer()
+        assert writer.finish().verified is True
+        for w, s in zip((owner, other), stacks):
+            w.close()
+            s.close()
+
+
+# ------------------------------------------------------------------------------------- sized to the box
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 4, 9, 16, 96])
+def test_writer_and_target_threads_never_outnumber_the_cores(monkeypatch, cores):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    default, why = threaded.writer_threads()
+    assert default == max(1, min(cores - 1, threaded.ARTICLE_THREADS))
+    assert f"{cores} core" in why and "target" in why
+    for groups in (1, 2, 8, 32):
+        threads, why = threaded.writer_threads(groups)
+        assert threads + threaded.TARGET_THREADS <= max(cores, 2) and threads <= groups
+        assert threads == min(groups, max(1, cores - 1)), why
+        config = bench.BenchConfig(stage="batched", threads=groups)
+        assert config.writer_options()["threads"] == threads and config.writer_options()["groups"] == groups
+
+
+def test_the_bench_says_what_it_chose_and_every_modeled_figure_its_cores():
+    if fi.MODELED_PROVIDER not in fi.available_providers():
+        pytest.skip("sim is not loaded in this process")
+    done = subprocess.run([sys.executable, "-m", "fabriclab", "bench", "--provider", "sim", "--stage", "batched",
+                           "--total", "8M", "--json"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cores = len(os.sched_getaffinity(0))
+    threads = threaded.writer_threads()[0]
+    assert f"threads: {threads} writer thread(s) for {threads} GPU group(s) + 1 target thread: {cores} core" \
+        in done.stdout
+    assert f"threads w+t: writer threads + target threads, each polling a core of its own, on the {cores} " \
+        in done.stdout
+    row = next(line for line in done.stdout.splitlines() if line.startswith("batched "))
+    assert f" {threads}+1 " in row and "(modeled)" in row
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert (result["threads"], result["target_threads"], result["cores"]) == (threads, 1, cores)
+    assert result["modeled"] is True and result["verified"] is True and result["counted"] is False
