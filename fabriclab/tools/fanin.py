@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .. import Engine, bootstrap, cli, fi
+from .. import Engine, bootstrap, cli
 
 SLOTS = 16  # pages of the target region each writer cycles through
 
@@ -88,17 +88,17 @@ def run(provider: str, writers: int, pages: int, per_call: int = 1, page: int = 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--provider", type=cli.provider_name, default="shm", help="default %(default)s")
-    p.add_argument("--writers", type=int, default=4, help="writer processes (default %(default)s)")
-    p.add_argument("--pages", type=int, default=10000, help="one-page writes per writer (default %(default)s)")
-    p.add_argument("--per-call", type=int, default=1, help="pages per write_pages call (default %(default)s)")
+    p.add_argument("--writers", type=cli.count("writer processes", 256), default=4, help="default %(default)s")
+    p.add_argument("--pages", type=cli.count("writes per writer", 10**8), default=10000,
+                   help="one-page writes per writer (default %(default)s)")
+    p.add_argument("--per-call", type=cli.count("pages per call", 1 << 16), default=1,
+                   help="pages per write_pages call (default %(default)s)")
     p.add_argument("--page-size", type=cli.positive_size, default=4096, help="default %(default)s bytes")
-    p.add_argument("--threads", type=int, default=None, help="worker threads per engine (default: the engine's)")
+    p.add_argument("--threads", type=cli.count("worker threads per engine", 256), default=None,
+                   help="worker threads per engine (default: the engine's)")
 
 
 def main(args) -> int:
-    for name, low, high in (("writers", 1, 256), ("pages", 1, 10**8), ("per_call", 1, 1 << 16)):
-        if not low <= getattr(args, name) <= high:
-            raise fi.UsageError(f"--{name.replace('_', '-')} must be {low}..{high}, not {getattr(args, name)}")
     r = run(args.provider, args.writers, args.pages, args.per_call, args.page_size, args.threads)
     print(f"{r['provider']}: {r['writers']} writers x {args.pages} pages of {r['page_bytes']} B "
           f"({r['per_call']} a call), {r['cores']} cores: {r['pages_per_s']:,.0f} pages/s in all "
