@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from . import bidirectional, cli, fi, memory
+from . import bidirectional, cli, fi, measure, memory
 from .bidirectional import Client, Mailbox
 from .unidirectional import EndpointUser
 
@@ -242,7 +242,7 @@ class WriteStats:
 
     @property
     def gbps(self) -> float:
-        return self.bytes * 8 / self.elapsed_s / 1e9 if self.elapsed_s > 0 else 0.0
+        return measure.gbps(self.bytes, self.elapsed_s)
 
     @property
     def mops(self) -> float:

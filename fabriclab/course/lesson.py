@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import fi
+from .. import fi, measure
 
 # Providers that run over IP: a lesson pins them to the loopback interface.
 
@@ -407,7 +407,7 @@ def verdict(a, b, names: tuple[str, str] = ("A", "B"), unit: str = "") -> str:
     (ma, la, ha), (mb, lb, hb) = spread(a), spread(b)
     shown = (f"{names[0]} {_figure(ma)} ({_figure(la)}-{_figure(ha)}){unit}, "
              f"{names[1]} {_figure(mb)} ({_figure(lb)}-{_figure(hb)}){unit}: ")
-    if la > hb or lb > ha:
+    if measure.verdict((la, ha), (lb, hb)) != measure.NOISE:  # the one rule, bench's too
         return shown + f"{names[1]} / {names[0]} = {mb / ma:.2f}x, outside the spread"
     return shown + "the ranges overlap: noise"
 

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .. import Engine, bootstrap, cli
+from .. import Engine, bootstrap, cli, measure
 
 SLOTS = 16  # pages of the target region each writer cycles through
 
@@ -82,7 +82,7 @@ def run(provider: str, writers: int, pages: int, per_call: int = 1, page: int = 
     total = writers * pages
     return {"provider": provider, "writers": writers, "pages": total, "page_bytes": page, "per_call": per_call,
             "threads": threads, "cores": len(os.sched_getaffinity(0)), "seconds": elapsed,
-            "pages_per_s": total / elapsed, "gbps": total * page * 8 / elapsed / 1e9,
+            "pages_per_s": total / elapsed, "gbps": measure.gbps(total * page, elapsed),
             "writer_pages_per_s": statistics.median(pages / s for s in own)}
 
 

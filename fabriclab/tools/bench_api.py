@@ -1,0 +1,97 @@
+"""``bench --api``: the same workload through ``fabriclab.Engine.write_pages`` and through the stage-15
+path (the harness's ``batched`` stage), alternating, plus the Python cost of one ``write_pages`` call."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+
+import numpy as np
+
+from .. import fi, gpu, rdma_write
+from ..measure import gbps
+from .bench_options import BenchConfig
+from .bench_target import api_peer, gpu_copy, running_on
+
+
+def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 256, outstanding: int = 8,
+                   rounds: int = 3) -> dict:
+    """The same workload through ``Engine.write_pages`` (pages in calls of ``batch_pages``, up to
+    ``outstanding`` calls in flight) and through the stage-15 path (``batched``), alternating ``rounds``
+    times and compared by their medians (one run of each swings by 10-20 % on a busy host), plus the
+    Python cost of one ``write_pages`` call of 1, 16 and 256 pages.
+
+    With ``config.memory == "cuda"`` the Engine's source is GPU memory (gpu_copy) and so is its target
+    where the target engine can take GPU memory as a target (else host memory, and the result says why);
+    "source" and "target" say the path each region took (``Region.path``/``why``), "staging" and
+    "target_staging" both engines' ``stats()["staging"]`` after the last round."""
+    config.check()
+    if rounds <= 0:
+        raise fi.UsageError(f"--rounds must be at least 1, got {rounds}")
+    if config.memory == "cuda":
+        gpu.require_cuda()  # before any process starts: no CUDA here, and the error says what to install
+    from .bench import run  # the harness, whose front (bench.py) offers this comparison
+    raw_runs, api_runs, overhead = [], [], {}
+    for _ in range(rounds):
+        raw = run(BenchConfig(**{**asdict(config), "stage": "batched", "verify": False}))
+        raw_runs.append(raw.gbps)
+        measured = _api_round(config, raw.provider, () if overhead else calls, batch_pages, outstanding)
+        api_runs.append(measured["gbps"])
+        overhead = overhead or measured["us_per_call"]
+    raw_gbps, api_gbps = float(np.median(raw_runs)), float(np.median(api_runs))
+    return {"raw_gbps": raw_gbps, "api_gbps": api_gbps, "ratio": api_gbps / raw_gbps if raw_gbps else 0.0,
+            "raw_runs": raw_runs, "api_runs": api_runs, "us_per_call": overhead,
+            "page_size": config.page_size, "threads": config.threads, "nics": raw.nics, "provider": raw.provider,
+            "caller_cores": measured["caller_cores"], "memory": config.memory, "raw_memory": raw.memory,
+            "source": measured["source"], "target": measured["target"], "staging": measured["staging"],
+            "target_staging": measured["target_staging"]}
+
+
+def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outstanding: int) -> dict:
+    """One timed pass through the Engine (a fresh target process and engine, so that neither idles beside
+    the raw runs): Gbps, the Python µs per call for each size in ``calls``, the calling thread's cores, the
+    path of each region and both engines' staging figures."""
+    from ..engine import Engine
+    plan = rdma_write.PagePlan.for_total(config.page_size, config.total)
+    cuda = config.memory == "cuda"
+    with api_peer(provider, config.domain, (config.nics, config.threads), plan.buffer_bytes,
+                  config.memory) as target:
+        address, descriptor = target["address"], target["descriptor"]
+        with Engine(provider, domains=config.domain, nics=config.nics, threads=config.threads, pin=config.pin,
+                    batch=config.batch, fi_more=config.fi_more, timeout=config.timeout,
+                    in_flight=config.in_flight, gpu=cuda) as engine, running_on(engine.housekeeping_cores):
+            caller_cores = sorted(os.sched_getaffinity(0))
+            source = np.frombuffer(np.random.default_rng(1).bytes(plan.buffer_bytes), dtype=np.uint8).copy()
+            region = engine.register(gpu_copy(source) if cuda else source)
+            peer = engine.connect(address)
+            whole = plan.buffer_bytes // plan.page_size
+            pages = np.arange(plan.writes) % whole
+            peer.write_pages(region, pages[:min(whole, 64)], descriptor, pages[:min(whole, 64)],
+                             plan.page_size).result()  # warm-up
+            in_flight = []
+            t0 = time.perf_counter()
+            for start in range(0, pages.size, batch_pages):
+                chunk = pages[start:start + batch_pages]
+                in_flight.append(peer.write_pages(region, chunk, descriptor, chunk, plan.page_size))
+                if len(in_flight) >= outstanding:
+                    in_flight.pop(0).result()
+            for t in in_flight:
+                t.result()
+            rate = gbps(pages.size * plan.page_size, time.perf_counter() - t0)
+            overhead = {}
+            for n in calls:
+                chunk = pages[:min(n, whole)]
+                spent, transfers = 0.0, []
+                for _ in range(50):
+                    c0 = time.perf_counter()
+                    transfers.append(peer.write_pages(region, chunk, descriptor, chunk, plan.page_size))
+                    spent += time.perf_counter() - c0
+                    if len(transfers) >= outstanding:
+                        transfers.pop(0).result()
+                for t in transfers:
+                    t.result()
+                overhead[n] = spent / 50 * 1e6
+            staging = engine.stats()["staging"]
+    return {"gbps": rate, "us_per_call": overhead, "caller_cores": caller_cores,
+            "source": {"path": region.path, "why": region.why}, "target": target["target"], "staging": staging,
+            "target_staging": target["target_staging"]}
