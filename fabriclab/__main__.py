@@ -102,7 +102,7 @@ COMMANDS = {
               "is visible (others are listed as left; --force takes them too); --dry-run lists them",
               "fabriclab.shmclean", "main", "add_arguments"),
     "topo": ("GPU <-> NIC <-> NUMA <-> CPU layout and the proposed NIC groups and cores (or a recorded one: "
-             "--recorded p5.48xlarge)", "fabriclab.topology", "main", "add_arguments"),
+             "--recorded p5.48xlarge)", "fabriclab.course.topo", "main", "add_arguments"),
     "apidoc": ("the API reference of fabriclab.Engine and fabriclab.bootstrap, rendered from the docstrings into "
                "Markdown; fails on a docstring reference that does not resolve", "fabriclab.tools.apidoc", "main",
                "add_arguments"),

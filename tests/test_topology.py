@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from fabriclab import topology as tp
+from fabriclab.course import figures
 from fabriclab.topology import Gpu, Group, Nic, NumaNode, PciDevice, Topology
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -289,7 +290,7 @@ def test_malformed_sysfs_never_crashes(two_socket):
         Group(2, ["nicD"], None, list(range(1, 8)), "PXB"),  # no readable node: cores drawn from every CPU
         Group(3, ["nicE"], None, list(range(8, 16)), "?"),
     ]
-    assert tp.format_table(topo) and tp.draw(topo)
+    assert tp.format_table(topo) and figures.pcie_tree(topo)
 
 
 def test_empty_or_missing_sysfs(tmp_path):
@@ -346,12 +347,12 @@ def test_json_round_trip(p5, two_socket, tmp_path):
 
 
 def test_drawing(p5, two_socket, tmp_path):
-    fig = tp.draw(p5)
+    fig = figures.pcie_tree(p5)
     assert "recorded" in fig.axes[0].get_title()
     fig.savefig(tmp_path / "p5.png")
     assert (tmp_path / "p5.png").stat().st_size > 10_000
-    tp.draw(Topology.discover(two_socket, gpus=TWO_GPUS, nics=TWO_NICS + ["shm"]))
-    tp.draw(Topology.discover(tmp_path / "nothing", gpus=[], nics=[]))
+    figures.pcie_tree(Topology.discover(two_socket, gpus=TWO_GPUS, nics=TWO_NICS + ["shm"]))
+    figures.pcie_tree(Topology.discover(tmp_path / "nothing", gpus=[], nics=[]))
 
 
 def test_cli_recorded(capsys, tmp_path):

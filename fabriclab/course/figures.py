@@ -3,18 +3,22 @@ notebook shows it once when it is a cell's value, and a script can ``fig.savefig
 
 Diagrams (``network_stacks``, ``post_and_poll``, ``message_sequence``) are drawn from fixed text; the
 others draw what they are given: ``object_tree`` the live tree of ``fi.describe_tree``, ``timeline`` a
-``lesson.Trace``, ``roadmap`` the article's milestones from ``tour.ARTICLE``.
+``lesson.Trace``, ``roadmap`` the article's milestones from ``tour.ARTICLE``, ``pcie_tree`` a
+``topology.Topology``.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Iterable, Mapping, Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from .. import measure
 from ..cli import format_size
+from ..topology import format_cpulist
 
 # One palette for every lesson.
 COLORS = {
@@ -288,7 +292,7 @@ def bandwidth(sizes: Sequence[int], rates: Sequence[float], label: str = "measur
     """Gbps against message size (``rates`` in bytes per second), optionally with a reference line."""
     fig = _figure(7, 3.2)
     ax = fig.add_axes((0.1, 0.17, 0.86, 0.72))
-    gbps = [r * 8 / 1e9 for r in rates]
+    gbps = [measure.gbps(r, 1.0) for r in rates]  # bytes in one second
     ax.plot(sizes, gbps, marker="o", color=COLORS["send"], label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(sizes))
@@ -731,6 +735,136 @@ def queue_sweep(results, ceiling_gbps: float | None = None, title: str | None = 
     if title:
         fig.suptitle(title, fontsize=10, y=0.995)
     return fig
+
+
+# ---------------------------------------------------------------------------------------- chapter 8
+
+_GROUP_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+                 "#bcbd22", "#7f7f7f"]
+
+
+def pcie_tree(topo, ax=None, *, labels: bool = True) -> Figure:
+    """Draw a ``topology.Topology``'s PCIe tree: CPU sockets (NUMA nodes) at the top, host bridges and PCIe
+    bridges below them, GPUs (squares) and NICs (circles) as leaves, each group in its own colour. Devices
+    without a PCI address stand apart on the right. Returns the matplotlib Figure (a new one when ``ax`` is
+    None)."""
+    from matplotlib.lines import Line2D
+
+    color_of: dict[tuple, str] = {}
+    for i, g in enumerate(topo.groups):
+        c = _GROUP_COLORS[i % len(_GROUP_COLORS)]
+        if g.gpu is not None:
+            color_of["gpu", g.gpu] = c
+        for n in g.nics:
+            color_of["nic", n] = c
+    tree = _pcie_layout(topo)
+    leaf_pos, loose, loose_x0 = tree["leaves"], tree["loose"], tree["loose_x0"]
+    n_leaves = len(leaf_pos) + len(loose)
+    if ax is None:
+        fig = Figure(figsize=(max(6.0, 0.36 * n_leaves + 2.5), 5.2), layout="constrained")
+        ax = fig.add_subplot()
+    else:
+        fig = ax.figure
+    many = n_leaves > 12
+    pos = {p: (sum(v) / len(v), -tree["depth"][p]) for p, v in tree["xs"].items()}
+    max_depth = max([d for *_, d in leaf_pos] + [2])
+    for p, (px, py) in pos.items():
+        if len(p) > 1:
+            qx, qy = pos[p[:-1]]
+            ax.plot([qx, px], [qy, py], color="#999999", lw=0.8, zorder=1)
+    for leaf, path, lx, depth in leaf_pos:
+        px, py = pos[path]
+        ax.plot([px, lx], [py, -depth], color="#999999", lw=0.8, zorder=1)
+    _pcie_inner_nodes(ax, topo, pos, tree["children"], labels and not many, labels)
+    for (kind, key, label, addr), _, lx, depth in leaf_pos:
+        label = label if many or not labels else f"{label}\n{addr[5:]}"
+        _pcie_leaf(ax, lx, -depth, kind, label, color_of.get((kind, key), "#444444"), many)
+    if loose:
+        ax.text(loose_x0 + (len(loose) - 1) / 2, -1, "no PCI address:\nno place on the tree", ha="center",
+                va="center", fontsize=8, bbox=dict(boxstyle="round", fc="#eeeeee", ec="#999999", ls="--"))
+        for i, ((kind, key, label, _), _) in enumerate(loose):
+            _pcie_leaf(ax, loose_x0 + i, -max_depth, kind, label, color_of.get((kind, key), "#444444"), many)
+    ax.set_title(f"PCIe tree of {topo.title}", fontsize=10)
+    ax.set_xlim(-1, max(loose_x0 + len(loose), tree["x"]) + 0.5 if tree["xs"] or loose else 1)
+    ax.set_ylim(-max_depth - (2.4 if many else 1.0), 0.8)
+    ax.axis("off")
+    handles = [Line2D([], [], marker="s", ls="", color="#444444", label="GPU"),
+               Line2D([], [], marker="o", ls="", color="#444444", label="NIC"),
+               Line2D([], [], marker="D", ls="", color="#555555", label="host bridge"),
+               Line2D([], [], marker="o", ls="", mfc="#bbbbbb", mec="#666666", label="PCIe bridge")]
+    ax.legend(handles=handles, loc="lower right", fontsize=7, frameon=False, ncol=4)
+    return fig
+
+
+def _pcie_layout(topo) -> dict:
+    """Where pcie_tree puts everything: leaves ((kind, key, label, pci address), path, x, depth) sorted by
+    their path (NUMA node, host bridge, bridges) then address; "xs" the x of every leaf below each path
+    prefix, "depth" each prefix's depth, "children" how many branches leave it; "loose" the devices with no
+    place on the tree, drawn from "loose_x0" on."""
+    leaves = [("gpu", g.index, g.label, g.pci) for g in topo.gpus]
+    leaves += [("nic", n.domain, n.device or n.domain, n.pci) for n in topo.nics]
+    placed, loose = [], []
+    for leaf in leaves:
+        d = topo.pci.get(leaf[3] or "")
+        (placed if d is not None and d.found and d.host_bridge else loose).append((leaf, d))
+
+    def node_of(d):
+        return d.numa_node if d.numa_node is not None else "?"
+    placed.sort(key=lambda ld: (str(node_of(ld[1])), ld[1].host_bridge, ld[1].bridges, ld[1].address))
+    xs: dict[tuple, list[float]] = {}
+    depth_of: dict[tuple, int] = {}
+    leaf_pos = []
+    x, last_top = 0.0, None
+    for leaf, d in placed:
+        top = node_of(d)
+        if last_top is not None and top != last_top:
+            x += 1.0  # a gap between sockets
+        last_top = top
+        path = (top, d.host_bridge, *d.bridges)
+        for k in range(1, len(path) + 1):
+            xs.setdefault(path[:k], []).append(x)
+            depth_of[path[:k]] = k - 1
+        leaf_pos.append((leaf, path, x, len(path)))
+        x += 1.0
+    for numa_node in topo.numa_nodes:  # sockets with no device below them still show
+        if (numa_node.node,) not in xs:
+            x += 1.0 if xs else 0.0
+            xs[(numa_node.node,)], depth_of[(numa_node.node,)] = [x], 0
+            x += 1.0
+    children = Counter(p[:-1] for p in xs if len(p) > 1) + Counter(path for _, path, _, _ in leaf_pos)
+    return {"leaves": leaf_pos, "loose": loose, "loose_x0": x + (1.0 if xs else 0.0), "xs": xs, "depth": depth_of,
+            "children": children, "x": x}
+
+
+def _pcie_inner_nodes(ax, topo, pos: dict, children: Counter, bridge_names: bool, labels: bool) -> None:
+    """pcie_tree's sockets (boxes), host bridges (diamonds) and PCIe bridges (dots; a switch where it
+    branches)."""
+    for p, (px, py) in pos.items():
+        if len(p) == 1:
+            node = topo.numa_node(p[0]) if p[0] != "?" and any(n.node == p[0] for n in topo.numa_nodes) else None
+            text = (f"CPU socket / NUMA {p[0]}\ncores {format_cpulist(node.cores)}" if node
+                    else f"NUMA node {p[0]}")
+            ax.text(px, py, text, ha="center", va="center", fontsize=8, zorder=3,
+                    bbox=dict(boxstyle="round", fc="#f3e6c8", ec="#8a6d3b"))
+        elif len(p) == 2:
+            ax.scatter([px], [py], marker="D", s=40, color="#555555", zorder=2)
+            if labels:
+                ax.annotate(p[1], (px, py), textcoords="offset points", xytext=(6, 0), fontsize=6, va="center")
+        else:
+            ax.scatter([px], [py], marker="o", s=18, color="#bbbbbb", edgecolors="#666666", zorder=2)
+            text = "PCIe switch" if children[p] > 1 else ""
+            if bridge_names:
+                text = f"{p[-1][5:]} {text}".strip()
+            if text:
+                ax.annotate(text, (px, py), textcoords="offset points", xytext=(5, 0), fontsize=6, va="center",
+                            style="italic" if children[p] > 1 else "normal")
+
+
+def _pcie_leaf(ax, x: float, y: float, kind: str, label: str, color: str, many: bool) -> None:
+    ax.scatter([x], [y], marker="s" if kind == "gpu" else "o", s=110 if kind == "gpu" else 50, color=color,
+               edgecolors="black", linewidths=0.6, zorder=3)
+    ax.annotate(label, (x, y), textcoords="offset points", xytext=(0, -8), ha="center", va="top",
+                rotation=90 if many else 0, fontsize=7 if many else 8)
 
 
 # ----------------------------------------------------------------------------------- chapters 9-15
