@@ -15,7 +15,7 @@ import time
 import pytest
 
 from fabriclab import fi
-from fabriclab.tools import testbed
+from fabriclab.tools import netns, reaper, testbed
 from fabriclab.__main__ import main as fabriclab_main
 from fabriclab.tools.testbed import ContainmentError, Testbed, TestbedError
 
@@ -94,7 +94,7 @@ def test_parsing_and_layout():
         assert len(link.server_if) <= 15 and len(link.client_if) <= 15
         for addr in (link.server_addr, link.client_addr):
             ip = ipaddress.ip_address(addr)
-            assert ip in testbed.LINK_LOCAL and ip in link.network
+            assert ip in netns.LINK_LOCAL and ip in link.network
         assert link.network.prefixlen == 24 and link.network not in nets
         assert link.network.network_address.packed[2] not in (0, 255)  # RFC 3927's reserved /24s
         nets.add(link.network)
@@ -131,7 +131,7 @@ def test_layout_and_status(tb):
             end = row[side]
             assert end["state"] == "up" and end["rate_bps"] == 100_000_000
             assert end["addresses"] == [link.address(side)]
-            assert ipaddress.ip_address(end["address"]) in testbed.LINK_LOCAL
+            assert ipaddress.ip_address(end["address"]) in netns.LINK_LOCAL
 
 
 @pytest.mark.netns
@@ -260,7 +260,7 @@ def test_down_returns_only_once_every_process_of_the_namespace_is_gone(netns_ok)
         bed.down()
     # Both have exited by the time down() returns: no waiting here.
     assert stubborn.poll() == -signal.SIGKILL and holder.poll() == -signal.SIGTERM
-    assert testbed._pids_in_namespace(inode) == set()
+    assert reaper.pids_in_namespace(inode) == set()
     stubborn.stdout.close()
     holder.stdout.close()
 

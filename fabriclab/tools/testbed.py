@@ -39,24 +39,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import fcntl
 import ipaddress
 import json
 import os
 import re
-import select
 import shutil
-import signal
-import socket
-import struct
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from .. import cli, fi
+from . import netns
+from .netns import LOSS_CHAIN, SIDES, ContainmentError, TestbedError, TestbedUnavailable
+from .reaper import end_processes
+from .testbed_checks import TestbedChecks
+from .testbed_traffic import TestbedTraffic
+
+__all__ = ["Testbed", "Link", "TestbedError", "TestbedUnavailable", "ContainmentError", "available", "netem_available",
+           "require_available", "try_up", "link_rate", "format_rate", "parse_loss", "format_loss", "parse_delay",
+           "add_arguments", "cli_main", "print_status"]
 
 PROVIDER = "tcp;ofi_rxm"
 DEFAULT_PREFIX = "fabriclab"
@@ -64,32 +66,12 @@ DEFAULT_LINKS = 32
 DEFAULT_RATE = "100mbit"
 DEFAULT_MTU = 9000  # jumbo frames, as EFA (fi_info: MTU 8760); also a sixth of the packets to carry on few cores
 MAX_LINKS = 254
-LINK_LOCAL = ipaddress.ip_network("169.254.0.0/16")
-LOOPBACK = ipaddress.ip_network("127.0.0.0/8")
 STATE_DIR = Path("/run/fabriclab")
 NETNS_DIR = Path("/var/run/netns")  # where iproute2 keeps named namespaces (/run/netns on current systems)
-LOSS_CHAIN = "FABRICLAB-LOSS"
 FALLBACK_NOTE = "the lessons fall back to the shm provider (one host, no links to shape)"
-COMMAND_TIMEOUT = 30.0
-END_GRACE_S = 2.0     # SIGTERM to SIGKILL, for processes left in a namespace that is being removed
-END_TIMEOUT_S = 30.0  # a process not gone this long after SIGKILL is stuck in the kernel: an error, not a hang
 TBF_LATENCY_MS = 25
-SIDES = ("server", "client")
 _PREFIX_RX = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,39}$")
 _IFNAME_RX = re.compile(r"^fl(\d+)([ab])$")
-
-
-class TestbedError(fi.FabriclabError, RuntimeError):
-    """Setting up, using or tearing down the testbed failed; the message names what and how to fix it."""
-    __test__ = False
-
-
-class TestbedUnavailable(TestbedError):
-    """This machine (or this user) cannot make namespaces: no root, no iproute2, no netns support."""
-
-
-class ContainmentError(TestbedError):
-    """Something in the testbed could reach, or be, an address outside its own namespaces."""
 
 
 # ------------------------------------------------------------------------------------------ parsing
@@ -170,21 +152,14 @@ class Link:
         return cls(index, f"fl{index}a", f"fl{index}b", f"169.254.{net}.1", f"169.254.{net}.2")
 
     def ifname(self, side: str) -> str:
-        return self.server_if if _side(side) == "server" else self.client_if
+        return self.server_if if netns.side(side) == "server" else self.client_if
 
     def address(self, side: str) -> str:
-        return self.server_addr if _side(side) == "server" else self.client_addr
+        return self.server_addr if netns.side(side) == "server" else self.client_addr
 
     @property
     def network(self) -> ipaddress.IPv4Network:
         return ipaddress.ip_network(f"{self.server_addr}/{self.prefixlen}", strict=False)
-
-
-def _side(side: str) -> str:
-    aliases = {"server": "server", "a": "server", "client": "client", "b": "client"}
-    if side not in aliases:
-        raise fi.UsageError(f"side must be 'server' or 'client', got {side!r}")
-    return aliases[side]
 
 
 # ----------------------------------------------------------------------------------- availability
@@ -218,21 +193,6 @@ def _require_privileges() -> None:
         raise TestbedUnavailable(problem)
 
 
-def _run(cmd: list[str], *, input: str | None = None, check: bool = True,
-         timeout: float = COMMAND_TIMEOUT) -> subprocess.CompletedProcess:
-    try:
-        done = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
-    except FileNotFoundError:
-        raise TestbedUnavailable(f"{cmd[0]} not found on PATH (install iproute2"
-                                 f"{' and iptables' if cmd[0].startswith('iptables') else ''})") from None
-    except subprocess.TimeoutExpired:
-        raise TestbedError(f"`{' '.join(cmd)}` did not finish within {timeout:g} s") from None
-    if check and done.returncode != 0:
-        text = (done.stderr or done.stdout).strip().replace("\n", "; ")
-        raise TestbedError(f"`{' '.join(cmd)}` failed: {text or f'exit status {done.returncode}'}")
-    return done
-
-
 def available(need_loss: bool = False) -> tuple[bool, str]:
     """Whether a testbed can be made here, and why not: privileges, iproute2 (and iptables when
     ``need_loss``), and a throw-away namespace with a shaped veth pair actually working."""
@@ -247,20 +207,20 @@ def available(need_loss: bool = False) -> tuple[bool, str]:
         return False, f"{' and '.join(missing)} not found on PATH: install {what}"
     probe = f"{DEFAULT_PREFIX}-probe-{os.getpid()}"
     try:
-        _run(["ip", "netns", "add", probe])
+        netns.run(["ip", "netns", "add", probe])
     except TestbedError as exc:
         return False, f"cannot create a network namespace: {exc}"
     try:
-        _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-        _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "100mbit", "burst", "32kb",
-              "latency", "25ms"])
+        netns.run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+        netns.run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "100mbit", "burst", "32kb",
+                   "latency", "25ms"])
         if need_loss:
-            _run(["ip", "netns", "exec", probe, "iptables", "-w", "-A", "INPUT", "-i", "p0", "-m", "statistic",
-                  "--mode", "random", "--probability", "0.001", "-j", "DROP"])
+            netns.run(["ip", "netns", "exec", probe, "iptables", "-w", "-A", "INPUT", "-i", "p0", "-m", "statistic",
+                       "--mode", "random", "--probability", "0.001", "-j", "DROP"])
     except TestbedError as exc:
         return False, f"namespaces work but veth/tbf{'/iptables' if need_loss else ''} do not: {exc}"
     finally:
-        _run(["ip", "netns", "del", probe], check=False)
+        netns.run(["ip", "netns", "del", probe], check=False)
     return True, "network namespaces, veth pairs and tc tbf work here"
 
 
@@ -268,14 +228,14 @@ def netem_available() -> tuple[bool, str]:
     """Whether this kernel has netem (for ``delay``), tried on a veth in a throw-away namespace."""
     _require_privileges()
     probe = f"{DEFAULT_PREFIX}-probe-{os.getpid()}"
-    _run(["ip", "netns", "add", probe])
+    netns.run(["ip", "netns", "add", probe])
     try:
-        _run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
-        _run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "netem", "delay", "1ms"])
+        netns.run(["ip", "-n", probe, "link", "add", "p0", "type", "veth", "peer", "name", "p1"])
+        netns.run(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "netem", "delay", "1ms"])
     except TestbedError as exc:
         return False, str(exc)
     finally:
-        _run(["ip", "netns", "del", probe], check=False)
+        netns.run(["ip", "netns", "del", probe], check=False)
     return True, "netem works here"
 
 
@@ -299,43 +259,7 @@ def try_up(quiet: bool = False, **kw) -> "Testbed | None":
 # ---------------------------------------------------------------------------------------- testbed
 
 
-_SERVER_SCRIPT = r"""
-import socket, sys, time
-s = socket.socket()
-s.bind((sys.argv[1], 0))
-s.listen(1)
-s.settimeout(float(sys.argv[2]))
-print(s.getsockname()[1], flush=True)
-c, _ = s.accept()
-c.settimeout(float(sys.argv[2]))
-n, first = 0, None
-while True:
-    b = c.recv(1 << 20)
-    if not b:
-        break
-    if first is None:
-        first = time.perf_counter()
-    else:
-        n += len(b)
-end = time.perf_counter()
-print(n, end - first if first else 0.0, flush=True)
-"""
-
-_CLIENT_SCRIPT = r"""
-import socket, sys
-c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[5]),
-                             source_address=(sys.argv[3], 0))
-data = bytes(1 << 20)
-left = int(sys.argv[4])
-while left > 0:
-    c.sendall(data[:min(left, len(data))])
-    left -= len(data)
-c.shutdown(socket.SHUT_WR)
-c.recv(1)
-"""
-
-
-class Testbed:
+class Testbed(TestbedTraffic, TestbedChecks):
     """Two namespaces (``server_ns``, ``client_ns``) joined by ``links`` veth pairs shaped to ``rate``.
 
     A context manager: ``up()`` on entry, ``down()`` on exit (also when the block raises). ``up`` is
@@ -379,7 +303,7 @@ class Testbed:
         return self.server_ns, self.client_ns
 
     def namespace(self, side: str) -> str:
-        return self.server_ns if _side(side) == "server" else self.client_ns
+        return self.server_ns if netns.side(side) == "server" else self.client_ns
 
     @property
     def line_rate_bps(self) -> int | None:
@@ -425,7 +349,7 @@ class Testbed:
             try:
                 for ns in self.namespaces:
                     if _netns_inode(ns) is None:
-                        _run(["ip", "netns", "add", ns])
+                        netns.run(["ip", "netns", "add", ns])
                         owned[ns] = _netns_inode(ns)
                         made.append(ns)
                         self._write_state(owned)  # recorded at once so down() can remove it whatever happens
@@ -484,19 +408,20 @@ class Testbed:
 
     def _configure(self) -> None:
         for ns in self.namespaces:
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            netns.run(["ip", "-n", ns, "link", "set", "lo", "up"])
             # No IPv6: the testbed's only addresses are 169.254/16 (and 127.0.0.1 on lo).
-            _run(["ip", "netns", "exec", ns, "sh", "-c",
-                  "for f in /proc/sys/net/ipv6/conf/default/disable_ipv6 /proc/sys/net/ipv6/conf/all/disable_ipv6; "
-                  "do [ -w $f ] && echo 1 > $f; done; true"], check=False)
-        present = {m.group(1) for m in (_IFNAME_RX.match(n) for n in _veth_names(self.server_ns)) if m}
+            netns.run(["ip", "netns", "exec", ns, "sh", "-c",
+                       "for f in /proc/sys/net/ipv6/conf/default/disable_ipv6 "
+                       "/proc/sys/net/ipv6/conf/all/disable_ipv6; do [ -w $f ] && echo 1 > $f; done; true"],
+                      check=False)
+        present = {m.group(1) for m in (_IFNAME_RX.match(n) for n in netns.veth_names(self.server_ns)) if m}
         wanted = {str(link.index) for link in self.links}
         for index in sorted(present - wanted, key=int):  # a smaller testbed than before: drop the extra links
-            _run(["ip", "-n", self.server_ns, "link", "del", f"fl{index}a"])
+            netns.run(["ip", "-n", self.server_ns, "link", "del", f"fl{index}a"])
         batch = [f"link add {link.server_if} netns {self.server_ns} type veth peer name {link.client_if} "
                  f"netns {self.client_ns}" for link in self.links if str(link.index) not in present]
         if batch:
-            _run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
+            netns.run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
         for side in SIDES:
             ns = self.namespace(side)
             cmds = []
@@ -504,18 +429,18 @@ class Testbed:
                 dev = link.ifname(side)
                 cmds.append(f"addr replace {link.address(side)}/{link.prefixlen} dev {dev}")
                 cmds.append(f"link set {dev} mtu {self.mtu} up")
-            _run(["ip", "-n", ns, "-batch", "-"], input="\n".join(cmds) + "\n")
+            netns.run(["ip", "-n", ns, "-batch", "-"], input="\n".join(cmds) + "\n")
             # One skb per wire packet (no 64 KB GSO bursts): loss then hits MTU-sized packets, as on a wire,
             # and tbf meters packets rather than bursts. Older iproute2 without the option: left as is.
-            _run(["ip", "-force", "-n", ns, "-batch", "-"], check=False,
-                 input="".join(f"link set dev {link.ifname(side)} gso_max_segs 1\n" for link in self.links))
+            netns.run(["ip", "-force", "-n", ns, "-batch", "-"], check=False,
+                      input="".join(f"link set dev {link.ifname(side)} gso_max_segs 1\n" for link in self.links))
             self._shape(ns, [link.ifname(side) for link in self.links])
-        if self.loss > 0 or _has_loss_chain(self.server_ns) or _has_loss_chain(self.client_ns):
+        if self.loss > 0 or netns.has_loss_chain(self.server_ns) or netns.has_loss_chain(self.client_ns):
             self.set_loss(self.loss)
 
     def _shape(self, ns: str, devs: list[str]) -> None:
-        _run(["tc", "-force", "-n", ns, "-batch", "-"], check=False,
-             input="".join(f"qdisc del dev {dev} root\n" for dev in devs))
+        netns.run(["tc", "-force", "-n", ns, "-batch", "-"], check=False,
+                  input="".join(f"qdisc del dev {dev} root\n" for dev in devs))
         if self.rate_bps is None and self.delay is None:
             return
         cmds = []
@@ -530,7 +455,7 @@ class Testbed:
                 cmds.append(f"qdisc add dev {dev} root handle 1: netem delay {self.delay}")
                 if tbf:
                     cmds.append(f"qdisc add dev {dev} parent 1:1 handle 10: {tbf}")
-        _run(["tc", "-n", ns, "-batch", "-"], input="\n".join(cmds) + "\n")
+        netns.run(["tc", "-n", ns, "-batch", "-"], input="\n".join(cmds) + "\n")
 
     def set_loss(self, loss: str | float, link: int | None = None) -> None:
         """Drop packets at random with probability ``loss`` on every link (or on one), in both directions."""
@@ -541,22 +466,22 @@ class Testbed:
             raise TestbedUnavailable("random loss needs iptables (its statistic match), not found on PATH")
         for side in SIDES:
             ns = self.namespace(side)
-            if p == 0 and not _has_loss_chain(ns):
+            if p == 0 and not netns.has_loss_chain(ns):
                 continue
             mine = {l.ifname(side) for l in self.links}
-            current = {dev: prob for dev, prob in _loss_rules(ns).items() if dev in mine}
+            current = {dev: prob for dev, prob in netns.loss_rules(ns).items() if dev in mine}
             for l in chosen:
                 current[l.ifname(side)] = p
             ipt = ["ip", "netns", "exec", ns, "iptables", "-w"]
-            if not _has_loss_chain(ns):
-                _run([*ipt, "-N", LOSS_CHAIN])
-            if _run([*ipt, "-C", "INPUT", "-j", LOSS_CHAIN], check=False).returncode != 0:
-                _run([*ipt, "-I", "INPUT", "-j", LOSS_CHAIN])
-            _run([*ipt, "-F", LOSS_CHAIN])
+            if not netns.has_loss_chain(ns):
+                netns.run([*ipt, "-N", LOSS_CHAIN])
+            if netns.run([*ipt, "-C", "INPUT", "-j", LOSS_CHAIN], check=False).returncode != 0:
+                netns.run([*ipt, "-I", "INPUT", "-j", LOSS_CHAIN])
+            netns.run([*ipt, "-F", LOSS_CHAIN])
             for dev, prob in sorted(current.items()):
                 if prob > 0:
-                    _run([*ipt, "-A", LOSS_CHAIN, "-i", dev, "-m", "statistic", "--mode", "random",
-                          "--probability", f"{prob:.6g}", "-j", "DROP"])
+                    netns.run([*ipt, "-A", LOSS_CHAIN, "-i", dev, "-m", "statistic", "--mode", "random",
+                               "--probability", f"{prob:.6g}", "-j", "DROP"])
         if link is None:
             self.loss = p
         with contextlib.suppress(OSError, TestbedError):
@@ -573,10 +498,10 @@ class Testbed:
 
     def _set_link(self, index: int, side: str, state: str) -> None:
         link = self.link(index)
-        sides = SIDES if side == "both" else (_side(side),)
+        sides = SIDES if side == "both" else (netns.side(side),)
         self._require_up()
         for s in sides:
-            _run(["ip", "-n", self.namespace(s), "link", "set", link.ifname(s), state])
+            netns.run(["ip", "-n", self.namespace(s), "link", "set", link.ifname(s), state])
 
     def bench_command(self, *options) -> list[str]:
         """``python -m fabriclab bench`` over every link, one NIC per link: the writer runs in the client
@@ -588,223 +513,10 @@ class Testbed:
                 "--server-launcher", " ".join(self.launcher("server")), "--nics", str(len(self.links)),
                 *map(str, options)]
 
-    def wait_for_traffic(self, index: int, nbytes: int, timeout: float = 60.0, running=None) -> None:
-        """Return once ``nbytes`` more have reached the server end of link ``index``: a transfer is under way
-        on it (the moment to inject a fault). A TestbedError when ``running`` (a Popen) ends first, or on
-        the timeout."""
-        start = self.counters(index)["server"]["rx"]["bytes"]
-        deadline = time.monotonic() + timeout
-        while self.counters(index)["server"]["rx"]["bytes"] - start < nbytes:
-            if running is not None and running.poll() is not None:
-                raise TestbedError(f"the transfer ended (exit {running.returncode}) before link {index} carried "
-                                   f"{nbytes} bytes")
-            if time.monotonic() > deadline:
-                raise TestbedError(f"link {index} did not carry {nbytes} bytes within {timeout:g} s")
-            time.sleep(0.02)
-
-    def counters(self, index: int) -> dict:
-        """Bytes and packets each end of one link has sent and received (``ip -s link``): which links a
-        transfer actually used, and how much went over each."""
-        link = self.link(index)
-        out = {}
-        for side in SIDES:
-            info = _ip_json(self.namespace(side), "-s", "link", "show", "dev", link.ifname(side))[0]
-            stats = info.get("stats64", {})
-            out[side] = {d: {k: stats.get(d, {}).get(k, 0) for k in ("bytes", "packets", "dropped")}
-                         for d in ("rx", "tx")}
-        return out
-
     def _require_up(self) -> None:
         _require_privileges()
         if not self.exists():
             raise TestbedError(f"testbed {self.prefix!r} is not up (namespaces {self.server_ns}, {self.client_ns})")
-
-    # ------------------------------------------------------------------------------------- status
-
-    def status(self) -> dict:
-        """What the kernel says: namespaces, each link's names, addresses, state, rate and loss."""
-        out = {"prefix": self.prefix, "up": self.exists(),
-               "namespaces": {"server": self.server_ns, "client": self.client_ns},
-               "provider": self.provider, "links": [], "rate_bps": self.rate_bps,
-               "line_rate_bps": self.line_rate_bps, "loss": self.loss, "delay": self.delay, "mtu": self.mtu}
-        if not out["up"]:
-            return out
-        _require_privileges()
-        sides = {}
-        for side in SIDES:
-            ns = self.namespace(side)
-            links = {d["ifname"]: d for d in _ip_json(ns, "link", "show")}
-            addrs = {d["ifname"]: [a["local"] for a in d.get("addr_info", []) if a.get("family") == "inet"]
-                     for d in _ip_json(ns, "-4", "addr", "show")}
-            sides[side] = (links, addrs, _qdiscs(ns), _loss_rules(ns))
-        rates = set()
-        for link in self.links:
-            row = {"index": link.index}
-            for side in SIDES:
-                links, addrs, qdiscs, loss = sides[side]
-                dev = link.ifname(side)
-                info = links.get(dev)
-                q = qdiscs.get(dev, {})
-                row[side] = {"ifname": dev, "address": link.address(side), "present": info is not None,
-                             "addresses": addrs.get(dev, []),
-                             "state": None if info is None else _link_state(info),
-                             "mtu": None if info is None else info.get("mtu"),
-                             "rate_bps": q.get("rate_bps"), "delay": q.get("delay"), "loss": loss.get(dev, 0.0)}
-                rates.add(q.get("rate_bps"))
-            out["links"].append(row)
-        if len(rates) == 1:
-            out["rate_bps"] = rates.pop()
-            out["line_rate_bps"] = None if out["rate_bps"] is None else out["rate_bps"] * len(self.links)
-        losses = {row[s]["loss"] for row in out["links"] for s in SIDES}
-        out["loss"] = losses.pop() if len(losses) == 1 else sorted(losses)
-        return out
-
-    # -------------------------------------------------------------------------------- containment
-
-    def assert_contained(self) -> None:
-        """Check that nothing in the testbed can reach anything outside it: each namespace holds only
-        ``lo`` and its veth ends, each veth's peer is the matching end in the other testbed namespace,
-        every address is 169.254/16 (127.0.0.1 on lo) and there is no default or other outside route.
-        Raises ContainmentError listing every problem."""
-        problems = []
-        self._require_up()
-        ids = {}
-        for side in SIDES:
-            ns = self.namespace(side)
-            other = self.namespace("client" if side == "server" else "server")
-            ids[side] = {d["ifname"]: d for d in _ip_json(ns, "-d", "link", "show")}
-            nsids = {str(d.get("nsid")): d.get("name") for d in _ip_json(ns, "netns", "list-id")}
-            expected = {link.ifname(side): link for link in self.links}
-            for name, info in ids[side].items():
-                if name == "lo":
-                    continue
-                if name not in expected:
-                    problems.append(f"{ns}: unexpected interface {name}")
-                    continue
-                kind = info.get("linkinfo", {}).get("info_kind")
-                if kind != "veth":
-                    problems.append(f"{ns}: {name} is {kind or 'not a veth'}, expected a veth end")
-                peer_ns = nsids.get(str(info.get("link_netnsid")))
-                if peer_ns != other:
-                    problems.append(f"{ns}: {name}'s peer is in namespace {peer_ns or 'unknown/host'}, not {other}")
-            for name in expected:
-                if name not in ids[side]:
-                    problems.append(f"{ns}: link {name} is missing")
-            for dev in _ip_json(ns, "addr", "show"):
-                name = dev["ifname"]
-                for a in dev.get("addr_info", []):
-                    ip = ipaddress.ip_address(a["local"])
-                    if name == "lo":
-                        ok = ip.is_loopback
-                    elif ip.version == 4:
-                        link = expected.get(name)
-                        ok = ip in LINK_LOCAL and link is not None and str(ip) == link.address(side)
-                    else:
-                        ok = ip.is_link_local
-                    if not ok:
-                        problems.append(f"{ns}: address {ip} on {name} is not the testbed's")
-            for family in ("-4", "-6"):
-                # (a kernel without IPv6 has no -6 routes to show: that query may fail, and that is fine)
-                for r in _ip_json(ns, family, "route", "show", "table", "all", check=family == "-4"):
-                    dst = r.get("dst", "")
-                    if dst == "default" or r.get("gateway") or r.get("via"):
-                        via = f" via {r['gateway']}" if r.get("gateway") else ""
-                        problems.append(f"{ns}: route {dst}{via} leads outside the testbed")
-                        continue
-                    try:
-                        net = ipaddress.ip_network(dst, strict=False)
-                    except ValueError:
-                        problems.append(f"{ns}: route {dst!r} not understood")
-                        continue
-                    if net.version == 4:
-                        ok = net.subnet_of(LINK_LOCAL) or net.subnet_of(LOOPBACK)
-                    else:
-                        ok = any(net.subnet_of(ipaddress.ip_network(n)) for n in ("fe80::/10", "ff00::/8", "::1/128"))
-                    if not ok:
-                        problems.append(f"{ns}: route to {dst} leads outside the testbed")
-        for link in self.links:  # each pair joins end i in one namespace to end i in the other
-            a, b = ids["server"].get(link.server_if), ids["client"].get(link.client_if)
-            if a and b and (a.get("link_index") != b.get("ifindex") or b.get("link_index") != a.get("ifindex")):
-                problems.append(f"{link.server_if} and {link.client_if} are not each other's peer")
-        if problems:
-            raise ContainmentError("testbed is not self-contained: " + "; ".join(problems))
-
-    def check_peer(self, address, side: str = "server", link: int | None = None) -> str:
-        """Check that a fabriclab address (hex line, bytes or fi.Address) is one of this testbed's own
-        addresses on ``side`` (and ``link`` when given); returns its IP. Anything else is a ContainmentError:
-        the testbed never sends traffic outside its namespaces."""
-        addr = fi.Address.parse(address)
-        raw = addr.raw
-        if len(raw) < 8 or struct.unpack_from("<H", raw)[0] != socket.AF_INET:
-            raise ContainmentError(f"address {addr.describe()} is not an IPv4 socket address; the testbed only "
-                                   f"carries {self.provider} over IPv4")
-        ip = socket.inet_ntoa(raw[4:8])
-        links = self.links if link is None else [self.link(link)]
-        allowed = {l.address(side) for l in links}
-        if ip not in allowed:
-            where = f"link {link}" if link is not None else f"the testbed's {_side(side)} side"
-            raise ContainmentError(f"address {ip} is not on {where} ({', '.join(sorted(allowed))}); refusing to "
-                                   "send traffic outside the testbed's namespaces")
-        return ip
-
-    # --------------------------------------------------------------------------------- traffic
-
-    def server(self, module: str, link: int = 0, args=(), **kw):
-        """Start a stage's server in the server namespace on one link (``--provider tcp;ofi_rxm --domain
-        fl<i>a``); checks containment first and that the address it printed is that link's."""
-        from .peers import ServerProcess
-        self.assert_contained()
-        proc = ServerProcess(module, [*self.stage_args(link, "server"), *map(str, args)],
-                             launcher=self.launcher("server"), **kw)
-        try:
-            self.check_peer(proc.address, "server", link)
-        except BaseException:
-            proc.stop()
-            raise
-        return proc
-
-    def client(self, module: str, address, link: int = 0, args=(), timeout: float | None = 120.0,
-               command: str = "connect", env: dict | None = None) -> subprocess.CompletedProcess:
-        """Run a stage's client (``connect ADDRESS``) in the client namespace on one link; returns the
-        finished process (stdout, stderr, returncode). The address must be the server's on that link."""
-        self.check_peer(address, "server", link)
-        hex_address = fi.Address.parse(address).hex()
-        return self.run("client", [sys.executable, "-m", module, command, hex_address,
-                                   *self.stage_args(link, "client"), *map(str, args)], timeout=timeout, env=env)
-
-    def run(self, side: str, argv: list[str], timeout: float | None = 120.0, env: dict | None = None,
-            **kw) -> subprocess.CompletedProcess:
-        """Run a command inside one side's namespace and wait for it (output captured as text)."""
-        self._require_up()
-        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        return subprocess.run([*self.launcher(side), *map(str, argv)], capture_output=True, text=True,
-                              timeout=timeout, env=full_env, **kw)
-
-    def measure(self, link: int = 0, nbytes: int = 4 << 20, timeout: float = 60.0) -> dict:
-        """Push ``nbytes`` through one link with a plain TCP socket (client side to server side) and
-        return what the receiver saw from its first chunk on (``bytes`` after that chunk, ``seconds`` until
-        the end) and bits per second: the shaping, checked without libfabric."""
-        l = self.link(link)
-        self.assert_contained()
-        srv = subprocess.Popen([*self.launcher("server"), sys.executable, "-c", _SERVER_SCRIPT, l.server_addr,
-                                str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            port = srv.stdout.readline().strip()
-            if not port.isdigit():
-                raise TestbedError(f"measurement server did not start: {srv.stderr.read().strip()}")
-            done = self.run("client", [sys.executable, "-c", _CLIENT_SCRIPT, l.server_addr, port, l.client_addr,
-                                       str(nbytes), str(timeout)], timeout=timeout)
-            if done.returncode != 0:
-                raise TestbedError(f"measurement client failed on link {link}: {done.stderr.strip()[-500:]}")
-            out, err = srv.communicate(timeout=timeout)
-            got, seconds = out.split()
-        except BaseException:
-            srv.kill()
-            srv.wait()
-            raise
-        got, seconds = int(got), float(seconds)
-        return {"link": link, "bytes": got, "seconds": seconds, "bps": got * 8 / seconds if seconds > 0 else None,
-                "rate_bps": self.rate_bps}
 
     # ----------------------------------------------------------------------------------- helpers
 
@@ -833,11 +545,11 @@ class Testbed:
         tmp.replace(path)
 
     def _delete_namespace(self, ns: str, inode: int) -> None:
-        _end_processes(ns, inode)
-        _run(["ip", "netns", "del", ns])
+        end_processes(ns, inode)
+        netns.run(["ip", "netns", "del", ns])
         # Whoever opened the namespace before its name went can still enter it: end those too, now that no
         # one new can open it, so nothing runs on in a namespace without a name.
-        _end_processes(ns, inode)
+        end_processes(ns, inode)
 
 
 def _state_path(prefix: str) -> Path:
@@ -856,180 +568,6 @@ def _netns_inode(ns: str) -> int | None:
         return os.stat(NETNS_DIR / ns).st_ino
     except OSError:
         return None
-
-
-def _ip_json(ns: str, *args: str, check: bool = True) -> list[dict]:
-    done = _run(["ip", "-j", "-n", ns, *args], check=check)
-    text = done.stdout.strip() if done.returncode == 0 else ""
-    return json.loads(text) if text else []
-
-
-def _veth_names(ns: str) -> list[str]:
-    return [d["ifname"] for d in _ip_json(ns, "link", "show", "type", "veth")]
-
-
-def _link_state(info: dict) -> str:
-    flags = info.get("flags", [])
-    if "UP" not in flags:
-        return "down"
-    if "NO-CARRIER" in flags or "LOWER_UP" not in flags:
-        return "no-carrier"
-    return "up"
-
-
-def _qdiscs(ns: str) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    done = _run(["tc", "-j", "-n", ns, "qdisc", "show"], check=False)
-    for q in json.loads(done.stdout or "[]") if done.returncode == 0 else []:
-        dev = out.setdefault(q.get("dev"), {})
-        opts = q.get("options", {})
-        if q.get("kind") == "tbf" and "rate" in opts:
-            dev["rate_bps"] = int(opts["rate"]) * 8  # tc -j reports bytes per second
-        if q.get("kind") == "netem":
-            delay = opts.get("delay", {})
-            dev["delay"] = delay.get("delay") if isinstance(delay, dict) else delay
-    return out
-
-
-def _has_loss_chain(ns: str) -> bool:
-    if shutil.which("iptables") is None:
-        return False
-    return _run(["ip", "netns", "exec", ns, "iptables", "-w", "-S", LOSS_CHAIN], check=False).returncode == 0
-
-
-def _loss_rules(ns: str) -> dict[str, float]:
-    if shutil.which("iptables") is None:
-        return {}
-    done = _run(["ip", "netns", "exec", ns, "iptables", "-w", "-S", LOSS_CHAIN], check=False)
-    out = {}
-    for line in done.stdout.splitlines():
-        m = re.search(r"-i (\S+) .*--probability ([0-9.eE+-]+)", line)
-        if m:
-            out[m.group(1)] = round(float(m.group(2)), 6)
-    return out
-
-
-def _end_processes(ns: str, inode: int) -> None:
-    """End every process inside namespace ``ns`` (known by its ``inode``, which outlives the name) or holding
-    it open to enter it, this process and its ancestors excepted; return only once each one is gone.
-
-    SIGTERM, SIGKILL after ``END_GRACE_S``, then a wait on each process's pidfd until it has exited, and
-    again from the top until no process is left: one that entered while the others were ending (an
-    ``ip netns exec`` that had opened the namespace but not yet entered it) is found on the next round.
-    Nothing here depends on how fast a loaded machine runs; a process that survives SIGKILL for
-    ``END_TIMEOUT_S`` (stuck in the kernel) is a TestbedError naming it."""
-    spare = _ancestors()
-    deadline = time.monotonic() + END_TIMEOUT_S
-    while True:
-        pids = _pids_in_namespace(inode) - spare
-        if not pids:
-            return
-        if time.monotonic() > deadline:
-            raise TestbedError(f"processes kept entering namespace {ns} for {END_TIMEOUT_S:g} s while it was being "
-                               f"removed (the last: {', '.join(map(_describe_process, sorted(pids)))}); stop "
-                               "whatever starts them, then run `python -m fabriclab testbed down` again")
-        survivors = _end_and_wait(pids, inode, deadline)
-        if survivors:
-            raise TestbedError(f"processes in namespace {ns} did not end within {END_TIMEOUT_S:g} s of SIGTERM "
-                               f"and SIGKILL: {', '.join(map(_describe_process, survivors))} (stuck in the kernel?); "
-                               f"the namespace stays: run `python -m fabriclab testbed down` again once they are gone")
-
-
-def _pids_in_namespace(inode: int) -> set[int]:
-    pids = (int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit())
-    return {pid for pid in pids if _in_namespace(pid, inode)}
-
-
-def _in_namespace(pid: int, inode: int) -> bool:
-    """Whether any thread of ``pid`` is in the network namespace ``inode``, or the process holds it open (the
-    moment between an ``ip netns exec`` opening the namespace and entering it)."""
-    # Compared with stat, not readlink: a namespace opened through its /run/netns name reads back as that
-    # path, one entered as net:[inode]; both stat to the namespace's own (device, inode).
-    wanted = (os.stat("/proc/self/ns/net").st_dev, inode)
-    try:
-        return (any(_file_id(f"/proc/{pid}/task/{tid}/ns/net") == wanted for tid in os.listdir(f"/proc/{pid}/task"))
-                or any(_file_id(f"/proc/{pid}/fd/{fd}") == wanted for fd in os.listdir(f"/proc/{pid}/fd")))
-    except OSError:  # it ended meanwhile
-        return False
-
-
-def _file_id(path: str) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-def _end_and_wait(pids: set[int], inode: int, deadline: float) -> list[int]:
-    """SIGTERM ``pids``, SIGKILL those left after ``END_GRACE_S``; returns those still running at ``deadline``.
-    Signals go through pidfds, so a pid that ends and is reused by an unrelated process is never signalled."""
-    handles = {}
-    try:
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue  # gone already
-            except OSError as exc:
-                if exc.errno == errno.ENOSYS:
-                    raise TestbedUnavailable("ending the testbed's processes needs pidfds (Linux 5.3 or later)") \
-                        from None
-                raise
-            handles[pid] = fd
-            # Opened after the scan: make sure the pid still names a process of the namespace, not a newcomer.
-            if not _in_namespace(pid, inode):
-                os.close(handles.pop(pid))
-        alive = sorted(handles)
-        grace_ends = min(time.monotonic() + END_GRACE_S, deadline)
-        for sig, until in ((signal.SIGTERM, grace_ends), (signal.SIGKILL, deadline)):
-            for pid in alive:
-                with contextlib.suppress(ProcessLookupError):
-                    signal.pidfd_send_signal(handles[pid], sig)
-            alive = _wait_for_exit({pid: handles[pid] for pid in alive}, until)
-            if not alive:
-                break
-        return alive
-    finally:
-        for fd in handles.values():
-            os.close(fd)
-
-
-def _wait_for_exit(handles: dict[int, int], until: float) -> list[int]:
-    """Wait until every process behind the pidfds in ``handles`` has exited (its pidfd turns readable), or
-    ``until``; returns the pids still running."""
-    alive = dict(handles)
-    poller = select.poll()
-    for fd in alive.values():
-        poller.register(fd, select.POLLIN)
-    while alive:
-        left = until - time.monotonic()
-        if left <= 0:
-            break
-        for fd, _ in poller.poll(left * 1000):
-            poller.unregister(fd)
-            alive = {pid: f for pid, f in alive.items() if f != fd}
-    return sorted(alive)
-
-
-def _describe_process(pid: int) -> str:
-    try:
-        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                      if ":\t" in line)
-        return f"pid {pid} ({status.get('Name', '?')}, state {status.get('State', '?')})"
-    except OSError:
-        return f"pid {pid}"
-
-
-def _ancestors() -> set[int]:
-    out, pid = set(), os.getpid()
-    while pid > 1 and pid not in out:
-        out.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    return out
 
 
 # ------------------------------------------------------------------------------------------- CLI
