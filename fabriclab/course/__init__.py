@@ -1,6 +1,7 @@
 """The course's notebook tooling, on top of everything else: ``lesson`` (show a stage's source and its
-diff, trace posts and completions), ``figures`` (the plots the lessons draw) and ``tour`` (run every
-lesson headless, print the measured figures beside the article's). Nothing below imports from here."""
+diff, trace posts and completions), ``figures`` (the plots the lessons draw), ``tour`` (run every
+lesson headless, print the measured figures beside the article's) and ``topo`` (the ``topo`` command,
+which may draw a figure). Nothing below imports from here."""
 
 from .. import nics as _nics
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyBboxPatch
@@ -18,7 +18,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from .. import measure
 from ..cli import format_size
-from ..topology import format_cpulist
+from ..topology import Topology, format_cpulist
 
 # One palette for every lesson.
 COLORS = {
@@ -743,7 +743,7 @@ _GROUP_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b
                  "#bcbd22", "#7f7f7f"]
 
 
-def pcie_tree(topo, ax=None, *, labels: bool = True) -> Figure:
+def pcie_tree(topo: Topology, ax: Any = None, *, labels: bool = True) -> Figure:
     """Draw a ``topology.Topology``'s PCIe tree: CPU sockets (NUMA nodes) at the top, host bridges and PCIe
     bridges below them, GPUs (squares) and NICs (circles) as leaves, each group in its own colour. Devices
     without a PCI address stand apart on the right. Returns the matplotlib Figure (a new one when ``ax`` is
@@ -796,14 +796,15 @@ def pcie_tree(topo, ax=None, *, labels: bool = True) -> Figure:
     return fig
 
 
-def _pcie_layout(topo) -> dict:
+def _pcie_layout(topo: Topology) -> dict:
     """Where pcie_tree puts everything: leaves ((kind, key, label, pci address), path, x, depth) sorted by
     their path (NUMA node, host bridge, bridges) then address; "xs" the x of every leaf below each path
     prefix, "depth" each prefix's depth, "children" how many branches leave it; "loose" the devices with no
     place on the tree, drawn from "loose_x0" on."""
-    leaves = [("gpu", g.index, g.label, g.pci) for g in topo.gpus]
+    leaves: list[tuple[str, Any, str, str | None]] = [("gpu", g.index, g.label, g.pci) for g in topo.gpus]
     leaves += [("nic", n.domain, n.device or n.domain, n.pci) for n in topo.nics]
-    placed, loose = [], []
+    placed: list[tuple] = []
+    loose: list[tuple] = []
     for leaf in leaves:
         d = topo.pci.get(leaf[3] or "")
         (placed if d is not None and d.found and d.host_bridge else loose).append((leaf, d))

@@ -9,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from .. import bootstrap, fi, gpu, memory
 
 
-def gpu_copy(host: np.ndarray):
+def gpu_copy(host: np.ndarray) -> Any:
     """``host``'s bytes in GPU memory, as ``Engine.register`` takes them: a torch CUDA tensor when torch is
     importable and sees a GPU, else cuda-python device memory (memory.CudaBuffer). Without CUDA, UsageError
     naming what is missing."""
@@ -67,7 +68,8 @@ def api_target() -> None:
 
 
 @contextlib.contextmanager
-def api_peer(provider, domain, layout, size: int, memory_kind: str = "host"):
+def api_peer(provider: str | None, domain: str | None, layout: tuple[int | None, int | None] | None, size: int,
+             memory_kind: str = "host") -> Iterator[dict]:
     """api_target in another process with ``layout`` ((nics, threads), either None for the default; None:
     both defaults); yields a dict with its "address", "descriptor" and "target" ({"path", "why"} of its
     region), to which "target_staging" (its engine's staging figures) is added once the block is left."""
@@ -92,7 +94,7 @@ def api_peer(provider, domain, layout, size: int, memory_kind: str = "host"):
 
 
 @contextlib.contextmanager
-def running_on(cores):
+def running_on(cores: Iterable[int] | None) -> Iterator[None]:
     """Run the calling thread on ``cores`` (when there are any) for the block: as a user of the engine
     should, so that it never preempts a worker that polls a NIC."""
     before = os.sched_getaffinity(0)
