@@ -10,7 +10,7 @@ tour: setup
 	$(PY) -m fabriclab tour --lessons lessons --out build/lessons
 
 test: setup
-	$(PY) -m pytest tests lessons --nbval -p no:cacheprovider
+	$(PY) -m pytest tests lessons --nbval -p no:cacheprovider --durations=25
 
 setup: system-deps $(STAMP)
 

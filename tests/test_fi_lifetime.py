@@ -1,7 +1,6 @@
 """fi objects across fork() and garbage collection (issue 12, finding 6): a child never uses or closes
 what its parent opened; what nobody refers to any more is closed. Real processes, real libfabric."""
 import gc
-import glob
 import os
 import signal
 import subprocess
@@ -11,14 +10,11 @@ import numpy as np
 import pytest
 
 from fabriclab import fi
+from helpers import regions_of
 
 HELPER = os.path.join(os.path.dirname(__file__), "forked_endpoint.py")
 
 pytestmark = pytest.mark.skipif("shm" not in fi.available_providers(), reason="needs libfabric's shm provider")
-
-
-def regions_of(pid):
-    return glob.glob(f"/dev/shm/{pid}:*")
 
 
 def test_a_forked_child_neither_uses_nor_closes_the_parents_endpoint():

@@ -14,7 +14,7 @@ import pytest
 
 from fabriclab import TransferError, bootstrap, control
 from fabriclab.engine import RemoteRegion, _seal, _unseal
-from test_api import PeerProcess
+from helpers import PeerProcess
 from test_staging import PAGE, WRITER, staged_target, writer_engine
 
 FORGER = os.path.join(os.path.dirname(__file__), "forging_peer.py")

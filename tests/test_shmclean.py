@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from fabriclab import bootstrap, shmclean
-from test_api import PAGE, PeerProcess
+from helpers import PAGE, PeerProcess
 
 WRITER = str(Path(__file__).with_name("hostile_writer.py"))
 

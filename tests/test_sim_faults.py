@@ -18,7 +18,7 @@ import pytest
 
 from fabriclab import engine as engine_module, fi
 from sim_fault_writer import drive
-from test_api import PeerProcess
+from helpers import PeerProcess
 from test_sim import HERE, NIC_A, NIC_B, pair, pump, run_python  # noqa: F401 (pair: the fixture)
 
 SIM_ENV = {"FABRICLAB_PROVIDER": "sim"}
@@ -238,7 +238,7 @@ def test_engine_reports_no_success_for_writes_into_a_target_killed_mid_transfer(
     1 s in and left a zombie: the transfer fails with PeerLost, it does not succeed."""
     code = ("import sys, time\nimport numpy as np\n"
             f"sys.path.insert(0, {str(HERE)!r})\n"
-            "from fabriclab import Engine, TransferError\nfrom test_api import PeerProcess\n"
+            "from fabriclab import Engine, TransferError\nfrom helpers import PeerProcess\n"
             "target = PeerProcess(('sim', None), 64 << 20)\n"
             "with Engine('sim', pin=False, timeout=30, gpu=False) as engine:\n"
             "    region = engine.register(np.full(64 << 20, 7, np.uint8))\n"

@@ -18,6 +18,7 @@ from fabriclab import fi
 from fabriclab.tools import testbed
 from fabriclab.__main__ import main as fabriclab_main
 from fabriclab.tools.testbed import ContainmentError, Testbed, TestbedError
+from helpers import namespaces
 
 PREFIX = "fabriclab-test"  # never the user's "fabriclab"
 OTHER = "fabriclab-test2"
@@ -25,11 +26,6 @@ LINKS = 4
 RATE = "100mbit"
 UNI = "fabriclab.unidirectional"
 BIDI = "fabriclab.bidirectional"
-
-
-def namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 def ours(prefix=PREFIX) -> list[str]:
