@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from .. import batched, cli, fi, gpu, memory, multi_nic, nics, opqueue, rdma_write, threaded
+from .. import batched, cli, fi, gpu, memory, multi_nic, nics, opqueue, rdma_write, recorded, threaded
 from .peers import ServerProcess
 
 #: stage name → its writer class
@@ -91,6 +91,9 @@ def add_arguments(p) -> None:
                          help="the links' aggregate rate (e.g. 3.2G, 100mbit): prints the %% of it that landed")
     harness.add_argument("--json", action="store_true",
                          help="print one JSON object per result, the last on the last line")
+    harness.add_argument("--record", metavar="FILE", default=None,
+                         help="--progression: also write the run as a recording (fabriclab.recorded) that "
+                              "lessons draw beside the reader's, e.g. fabriclab/data/progression-16core.json")
 
 
 def _option_defaults() -> dict:
@@ -854,6 +857,10 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
 def main(args) -> int:
     switched = nics.measure_the_nics()  # before libfabric starts: bench measures NICs, never a same-host detour
     config = BenchConfig.from_args(args)
+    if args.record is not None:  # checked before minutes of runs are spent on it
+        if not args.progression:
+            raise fi.UsageError("--record FILE records a progression: add --progression")
+        recorded.check_destination(args.record)
     provider = config.provider or fi.default_provider()
     if switched and provider.split(";")[0] in nics.SAME_HOST_SHM_SWITCHES:
         print(f"bench: {switched}, so a server on this host is reached through the NICs, not shared memory",
@@ -881,4 +888,7 @@ def main(args) -> int:
     else:
         results = [run(config, progress=not args.json)]
     print_results(results, args.json, config.line_rate_bps)
+    if args.record is not None:
+        recorded.write(args.record, results, ["python", "-m", "fabriclab", *sys.argv[1:]], asdict(config))
+        print(f"recorded to {args.record}: {recorded.load(args.record).label}")
     return 0 if all(r.verified in (True, None) for r in results) else 1
