@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from typing import IO
 
 import numpy as np
 
@@ -42,6 +43,10 @@ class Child:
         self.argv = [*launcher, *map(str, argv)]
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env=env)
+        assert self.proc.stdin and self.proc.stdout and self.proc.stderr  # all three piped just above
+        self.stdin: IO[str] = self.proc.stdin
+        self._stdout: IO[str] = self.proc.stdout
+        self._stderr: IO[str] = self.proc.stderr
         self.pid = self.proc.pid
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._errors: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
@@ -51,12 +56,12 @@ class Child:
             reader.start()
 
     def _pump_stdout(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._stdout:
             self._lines.put(line.rstrip("\n"))
         self._lines.put(_EOF)
 
     def _pump_stderr(self) -> None:
-        for line in self.proc.stderr:
+        for line in self._stderr:
             self._errors.append(line.rstrip("\n"))
             sys.stderr.write(f"[{self._name()} {self.pid}] {line}")
 
@@ -90,8 +95,8 @@ class Child:
     def send(self, line: str) -> None:
         """One command line on its stdin; AssertionError if it can no longer read one."""
         try:
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
+            self.stdin.write(line + "\n")
+            self.stdin.flush()
         except (BrokenPipeError, ValueError):
             raise AssertionError(self._failure(f"cannot send {line!r}: the process ended "
                                                f"(exit status {self._reap()})")) from None
@@ -135,7 +140,7 @@ class Child:
         if self.proc.poll() is None:
             try:
                 self.proc.send_signal(signal.SIGCONT)  # a test that failed midway may have left it stopped
-                self.proc.stdin.close()
+                self.stdin.close()
             except OSError:
                 pass  # it ended meanwhile, or its stdin pipe broke: waiting says which
             try:
@@ -144,9 +149,9 @@ class Child:
                 self.kill()
                 if check:
                     raise
-        elif not self.proc.stdin.closed:
+        elif not self.stdin.closed:
             try:
-                self.proc.stdin.close()
+                self.stdin.close()
             except OSError:
                 pass  # a child that died with input unread leaves a broken pipe to close
         return self.wait()
