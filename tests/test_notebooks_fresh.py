@@ -71,3 +71,10 @@ def test_a_notebook_never_stamped_says_how_to_stamp_it(tmp_path):
     assert provenance.staleness(path) == ("new.ipynb was never executed by `make lessons` (no fabriclab stamp in its "
                                           f"metadata): run `make lessons` (or `make lessons LESSONS={path.as_posix()}`"
                                           " for this one) and commit the notebook")
+
+
+def test_a_script_a_cell_runs_counts_with_what_it_imports():
+    notebook = code_notebook('EXAMPLES = lesson.project_file("examples")\n'
+                             'subprocess.run([sys.executable, str(EXAMPLES / "kv_cache_transfer.py")])\n')
+    sources = provenance.source_hashes(notebook)
+    assert "examples/kv_cache_transfer.py" in sources and "fabriclab/engine.py" in sources

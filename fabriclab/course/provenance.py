@@ -8,8 +8,9 @@ were produced by other code than the one in the checkout.
 
 What a notebook depends on is found, not declared, so that a new or edited notebook needs nothing by hand:
 - its own code cells (an edited cell that was not run again shows old outputs too);
-- the fabriclab modules its cells import, or run with ``python -m``, and everything those import in turn
-  (every import in a module, lazy ones in functions included: a module that might run counts);
+- the fabriclab modules its cells import, or run with ``python -m``, the checkout's scripts they name
+  (``examples/*.py``), and every fabriclab module those import in turn (every import in a module, lazy ones
+  in functions included: a module that might run counts);
 - the C the binding is built from (``native/*.c``, ``*.h``, ``build_ffi.py``) when any of those modules
   loads the cffi extension, the modeled provider's (``native/sim/``) when any loads that provider, and the
   recorded data (``fabriclab/data/``) when any reads it.
@@ -44,6 +45,7 @@ LOADED = {EXTENSION: ("native", ("*.c", "*.h", "build_ffi.py")),
           "DATA_DIR": ("fabriclab/data", ("*.json",))}
 FIX = "make lessons"  # re-executes every notebook and stamps it
 _DOTTED = re.compile(r"fabriclab(?:\.\w+)+")
+_SCRIPT = re.compile(r"""["']([\w./-]+\.py)["']""")
 _RUN_AS_MODULE = re.compile(r"""-m["']?\s*,?\s*["']?(fabriclab(?:\.\w+)*)""")
 
 
@@ -139,6 +141,18 @@ def notebook_modules(notebook: dict) -> set[str]:
     return {name for name in names if name.split(".")[0] == PACKAGE.name}
 
 
+def notebook_scripts(notebook: dict) -> list[pathlib.Path]:
+    """The checkout's scripts outside the package that a notebook's cells name in a string ("kv_cache_transfer.py",
+    "examples/x.py"): a cell runs them, by path or through importlib."""
+    named = {m for cell in notebook.get("cells", []) if cell.get("cell_type") == "code"
+             for m in _SCRIPT.findall(_cell_code(cell))}
+    folders = [f for f in ROOT.iterdir() if f.is_dir() and f != PACKAGE and f.name not in ("build", "native")
+               and not f.name.startswith(".")]
+    scripts = (p for folder in folders for p in folder.glob("*.py"))
+    return sorted(p for p in scripts if any(p.relative_to(ROOT).as_posix() in (n, f"{p.parent.name}/{n}")
+                                            or p.name == n for n in named))
+
+
 def _loaded_files(modules: dict[str, pathlib.Path]) -> list[pathlib.Path]:
     """The files these modules load (LOADED): the sources of the extension when one imports it, of the modeled
     provider when one names its library, the recorded data when one reads it."""
@@ -166,8 +180,10 @@ def source_hashes(notebook: dict) -> dict[str, str]:
     by its path in the checkout."""
     cells = "\n# ---- cell\n".join(_cell_code(c) for c in notebook.get("cells", []) if c.get("cell_type") == "code")
     hashes = {"<code cells>": _sha256(cells.encode())}
-    modules = modules_closure(notebook_modules(notebook))
-    for path in sorted(set(modules.values())) + _loaded_files(modules):
+    scripts = notebook_scripts(notebook)
+    roots = notebook_modules(notebook).union(*(_module_imports(p, "", p.stat().st_mtime_ns) for p in scripts))
+    modules = modules_closure(roots)
+    for path in scripts + sorted(set(modules.values())) + _loaded_files(modules):
         hashes[path.relative_to(ROOT).as_posix()] = _sha256(path.read_bytes())
     return hashes
 
