@@ -679,7 +679,9 @@ def beside_recorded(measured: dict[str, float], measured_label: str,
                     recording: recorded.Recording | None = None, **options: Any) -> Any:
     """course.figures.progression (a matplotlib Figure) of the reader's percentages with the recording's beside
     them, labelled "recorded" with its cores and provider, after printing where it was recorded; without a
-    recording shipped it prints that and draws the reader's alone. ``options`` go to figures.progression."""
+    recording shipped it prints that and draws the reader's alone. ``measured`` must be the recording's
+    measure (``Chapter.percent``: % of the line on the model, as lesson 16 draws it), or the bars compare
+    nothing. ``options`` go to figures.progression."""
     from . import figures
     recording = recording if recording is not None else recorded.shipped()
     if recording is None:
