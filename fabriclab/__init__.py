@@ -8,9 +8,9 @@ from the ones below it (``tests/test_layers.py`` holds it to that):
 * the library core: ``nics`` (NIC sets, worker placement), ``_native`` (the C engine's wrapper),
   ``memory``, ``gpu``, ``staging`` (GPU memory through pinned host memory), ``landing`` (staged GPU
   targets: landing lanes), ``control`` (their control channel and its messages, checked), ``lanecopy``
-  (copying landed lanes into place), ``topology``, ``shmclean``, ``cli`` (command-line plumbing), ``measure``
-  (the one Gbps formula and the one verdict on interleaved runs), ``engine`` (``Engine``) and ``bootstrap``
-  (exchanging descriptors);
+  (copying landed lanes into place), ``topology``, ``recorded`` (recorded runs shipped as data), ``shmclean``,
+  ``cli`` (command-line plumbing), ``measure`` (the one Gbps formula and the one verdict on interleaved runs),
+  ``engine`` (``Engine``) and ``bootstrap`` (exchanging descriptors);
 * the course's stages, chapter by chapter, each importing the one before: ``unidirectional``,
   ``bidirectional``, ``rdma_write``, ``opqueue``, ``multi_nic``, ``threaded``, ``batched``;
 * ``course`` (the notebooks' tooling) and ``tools`` (``bench``, ``testbed``, ``peers``, ``apidoc``).

@@ -16,10 +16,14 @@ def provider_args(provider, domain):
 @pytest.fixture(params=PROVIDERS, ids=[p for p, _ in PROVIDERS])
 def fabric(request):
     """(provider, domain) pairs; skipped where the provider is not available here."""
-    provider, domain = request.param
-    if provider not in fi.available_providers():
-        pytest.skip(f"provider {provider} is not available here")
-    return request.param
+    return available(request.param)
+
+
+def available(fabric):
+    """``fabric`` ((provider, domain)) as it is, or the test skipped where its provider is not available here."""
+    if fabric[0] not in fi.available_providers():
+        pytest.skip(f"provider {fabric[0]} is not available here")
+    return fabric
 
 
 def open_fds():

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from fabriclab import Engine, TransferError, engine as engine_module
-from test_api import PeerProcess
+from helpers import PeerProcess
 
 MiB = 1 << 20
 provider, domain, pages, transfers, submitters, mode = sys.argv[1:7]

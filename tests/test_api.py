@@ -3,7 +3,6 @@ import asyncio
 import gc
 import hashlib
 import json
-import os
 import resource
 import subprocess
 import sys
@@ -13,47 +12,15 @@ import numpy as np
 import pytest
 
 from fabriclab import (Engine, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed, TransferError,
-                       TransferTimeout, bootstrap, fi, gpu)
+                       TransferTimeout, fi, gpu)
 from conftest import open_fds
-
-PEER = os.path.join(os.path.dirname(__file__), "api_peer.py")
-PAGE = 65536
-
-
-class PeerProcess:
-    """tests/api_peer.py in another process: an engine with one buffer, waiting for writes."""
-
-    def __init__(self, fabric, size, *options, launcher=()):
-        """``launcher``: a command prefix the peer runs under (nsenter into another /dev/shm, say)."""
-        provider, domain = fabric
-        self.proc = subprocess.Popen([*launcher, sys.executable, PEER, provider, domain or "-", str(size), *options],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        port = int(self.proc.stdout.readline())
-        self.address, self.descriptor = bootstrap.unpack(bootstrap.exchange(port, b"hello"))
-
-    def ask(self, line):
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.wait(10)
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            self.proc.wait(10)
+from helpers import PAGE, PeerProcess, pages_of
 
 
 @pytest.fixture
 def engine(fabric):
     with Engine(fabric[0], domains=fabric[1], pin=False, timeout=10) as e:
         yield e
-
-
-def pages_of(seed, n):
-    return np.random.default_rng(seed).integers(0, 256, size=n * PAGE, dtype=np.uint8)
 
 
 def test_paged_write_lands_byte_exact_and_is_counted(fabric, engine):

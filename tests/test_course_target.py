@@ -17,6 +17,7 @@ from fabriclab import bidirectional, fi, memory, multi_nic, rdma_write, threaded
 from fabriclab.tools import bench
 from fabriclab.tools.peers import start_server
 from conftest import PROVIDERS, provider_args
+from helpers import LINE_TIMEOUT, Child
 
 HERE = Path(__file__).resolve().parent
 SIM = (fi.MODELED_PROVIDER, None)
@@ -115,13 +116,12 @@ def test_a_writer_gone_mid_run_is_a_timeout_at_the_target_not_a_hang(any_fabric,
     with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "3", env=env) as server:
         args = [sys.executable, str(HERE / "course_writer.py"), any_fabric[0], any_fabric[1] or "-",
                 server.address_hex, "1", "2", "2", str(1 << 38), "1"]
-        writer = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                  env={**os.environ, **env})
+        writer = Child(args, env={**os.environ, **env})
         try:
-            assert writer.stdout.readline().strip() == "prepared"
+            assert writer.line(LINE_TIMEOUT, "prepared from the writer") == "prepared"
             time.sleep(1.0)  # the run is on: heartbeats every HEARTBEAT_S, no write announces itself
             assert target_threads(server) == 1
-            writer.send_signal(getattr(signal, how))
+            writer.signal(getattr(signal, how))
             start = time.monotonic()
             line = server.wait_for_log(r"target: the run failed: (.*)", timeout=20).group(1)
             assert "the writer went silent mid-run" in line and "no word came for 3.0 s" in line, line
@@ -132,7 +132,6 @@ def test_a_writer_gone_mid_run_is_a_timeout_at_the_target_not_a_hang(any_fabric,
             assert target_threads(server) == 0
         finally:
             writer.kill()
-            writer.wait(10)
         (run,) = run_writer(any_fabric, server.address_hex, 1, 2, 2, 1 << 20, env=env)  # the target serves on
         assert run["report"]["verified"] is True
 

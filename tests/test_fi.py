@@ -5,16 +5,13 @@ import numpy as np
 import pytest
 
 from fabriclab import fi
-from conftest import PROVIDERS, open_fds
+from conftest import PROVIDERS, available, open_fds
 
 
 @pytest.fixture(params=PROVIDERS + [("sim", None)], ids=[p for p, _ in PROVIDERS] + ["sim"])
 def fabric(request):
     """The binding's own tests run over the modeled NICs (provider sim) too."""
-    provider, domain = request.param
-    if provider not in fi.available_providers():
-        pytest.skip(f"provider {provider} is not available here")
-    return request.param
+    return available(request.param)
 
 
 def test_default_provider_is_available():

@@ -1,7 +1,6 @@
 """fi objects across fork() and garbage collection (issue 12, finding 6): a child never uses or closes
 what its parent opened; what nobody refers to any more is closed. Real processes, real libfabric."""
 import gc
-import glob
 import os
 import signal
 import subprocess
@@ -11,22 +10,18 @@ import numpy as np
 import pytest
 
 from fabriclab import fi
+from helpers import LINE_TIMEOUT, Child, regions_of
 
 HELPER = os.path.join(os.path.dirname(__file__), "forked_endpoint.py")
 
 pytestmark = pytest.mark.skipif("shm" not in fi.available_providers(), reason="needs libfabric's shm provider")
 
 
-def regions_of(pid):
-    return glob.glob(f"/dev/shm/{pid}:*")
-
-
 def test_a_forked_child_neither_uses_nor_closes_the_parents_endpoint():
-    server = subprocess.Popen([sys.executable, "-m", "fabriclab.unidirectional", "serve", "--provider", "shm"],
-                              stdout=subprocess.PIPE, text=True)
+    server = Child([sys.executable, "-m", "fabriclab.unidirectional", "serve", "--provider", "shm"])
     try:
-        address = server.stdout.readline().strip()
-        server.stdout.readline()  # "serving on ..."
+        address = server.line(LINE_TIMEOUT, "the server's address")
+        server.line(LINE_TIMEOUT, "serving on ...")
         run = subprocess.run([sys.executable, HELPER, address], capture_output=True, text=True, timeout=60)
         assert run.returncode == 0, run.stdout + run.stderr  # it stops at the first use that is not refused
         lines = run.stdout.splitlines()
@@ -34,11 +29,11 @@ def test_a_forked_child_neither_uses_nor_closes_the_parents_endpoint():
         assert {"ep.address", "ep.try_post_send", "cq.poll", "register", "new CompletionQueue"} <= refused
         # the child exited cleanly, the parent's region is still there, and a send through it completed
         assert [line for line in lines if not line.startswith("refused ")] == ["child exited 0", "regions 1", "sent"]
-        assert server.stdout.readline().startswith("received 10 bytes")
+        assert server.line(LINE_TIMEOUT, "what the server received").startswith("received 10 bytes")
         assert server.poll() is None
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(10)
+        server.signal(signal.SIGTERM)
+        server.wait()
 
 
 def test_a_dropped_tree_is_closed_when_collected():

@@ -18,7 +18,7 @@ import pytest
 
 from fabriclab import Engine, InvalidDescriptor, OutOfRange, TransferError, bootstrap, fi
 from conftest import open_fds
-from test_api import PAGE, PeerProcess
+from helpers import PAGE, PeerProcess
 
 WRITER = os.path.join(os.path.dirname(__file__), "hostile_writer.py")
 

@@ -14,7 +14,7 @@ import pytest
 
 from fabriclab import TransferError, bootstrap, control
 from fabriclab.engine import RemoteRegion, _seal, _unseal
-from test_api import PeerProcess
+from helpers import LINE_TIMEOUT, Child, PeerProcess, python
 from test_staging import PAGE, WRITER, staged_target, writer_engine
 
 FORGER = os.path.join(os.path.dirname(__file__), "forging_peer.py")
@@ -116,9 +116,8 @@ def test_a_writer_lands_only_in_the_region_its_descriptor_names(fabric):
 def forging_peer(fabric, descriptor, rate, *mode):
     """tests/forging_peer.py sending to the staged target of ``descriptor``, once its endpoint is open."""
     address = RemoteRegion.parse(descriptor).landing.address
-    forger = subprocess.Popen([sys.executable, FORGER, fabric[0], fabric[1] or "-", address.hex(), str(rate), *mode],
-                              stdout=subprocess.PIPE, text=True)
-    assert forger.stdout.readline().strip() == "ready"
+    forger = Child(python(FORGER, fabric[0], fabric[1] or "-", address.hex(), rate, *mode))
+    assert forger.line(LINE_TIMEOUT, "ready from the forger") == "ready"
     return forger
 
 

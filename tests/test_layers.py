@@ -15,7 +15,7 @@ from fabriclab import fi
 PACKAGE = pathlib.Path(fabriclab.__file__).parent
 BINDING = {"fi", "_fabric", "_inprocess"}
 CORE = {"nics", "_native", "memory", "gpu", "staging", "landing", "control", "lanecopy", "topology", "shmclean", "cli",
-        "engine", "bootstrap", "measure"}
+        "engine", "bootstrap", "measure", "recorded"}
 STAGES = ["unidirectional", "bidirectional", "rdma_write", "opqueue", "multi_nic", "threaded", "batched"]
 TOP = {"course", "tools", "__main__"}
 

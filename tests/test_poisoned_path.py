@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fabriclab import Engine, TransferError
-from test_api import PAGE, PeerProcess, pages_of
+from helpers import PAGE, PeerProcess, pages_of
 
 
 def digest(buffer) -> str:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fabriclab import Engine
-from test_api import PAGE, PeerProcess, pages_of
+from helpers import PAGE, PeerProcess, pages_of
 
 THREADS = 2
 

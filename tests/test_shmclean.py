@@ -9,7 +9,6 @@ under it nor lose their own to it.
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 
 from fabriclab import bootstrap, shmclean
-from test_api import PAGE, PeerProcess
+from helpers import LINE_TIMEOUT, PAGE, Child, PeerProcess
 
 WRITER = str(Path(__file__).with_name("hostile_writer.py"))
 
@@ -33,9 +32,9 @@ class PrivateShm:
     dir: Path            # the private /dev/shm as this process sees it
     launcher: list[str]  # command prefix running a program with the private /dev/shm as its /dev/shm
 
-    def start_owner(self) -> subprocess.Popen:
-        owner = subprocess.Popen([*self.launcher, sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
-        assert owner.stdout.readline().strip() == "ready", "the shm Engine did not open"
+    def start_owner(self) -> Child:
+        owner = Child([sys.executable, "-c", OWNER], launcher=self.launcher)
+        assert owner.line(LINE_TIMEOUT, "ready from the owner") == "ready", "the shm Engine did not open"
         return owner
 
     def regions_of(self, pid: int) -> list[str]:
@@ -51,12 +50,6 @@ class PrivateShm:
 
     def records(self) -> list[str]:
         return sorted(p.name for p in self.dir.iterdir() if p.name.startswith("fabriclab-engine."))
-
-
-def kill(owner: subprocess.Popen) -> None:
-    owner.send_signal(signal.SIGKILL)
-    owner.wait(10)
-    owner.stdout.close()
 
 
 # A pid namespace of its own (and a /proc showing it); the mount namespace, and so /dev/shm, stay the caller's.
@@ -87,7 +80,7 @@ def test_a_killed_owners_region_is_reclaimed_and_a_live_ones_kept(private_shm):
     try:
         live_regions, dead_regions = private_shm.regions_of(live.pid), private_shm.regions_of(dead.pid)
         assert live_regions and dead_regions
-        kill(dead)
+        dead.kill()
         assert private_shm.regions_of(dead.pid) == dead_regions  # SIGKILL left it: nothing else removes it
 
         listed = shmclean.reclaim_stale_shm_regions(dry_run=True, shm_dir=private_shm.dir)
@@ -101,13 +94,13 @@ def test_a_killed_owners_region_is_reclaimed_and_a_live_ones_kept(private_shm):
         assert private_shm.regions_of(live.pid) == live_regions and live.poll() is None
         assert shmclean.reclaim_stale_shm_regions(shm_dir=private_shm.dir) == []
     finally:
-        kill(live)
+        live.kill()
 
 
 def test_a_reused_pid_does_not_save_a_dead_owners_region(private_shm):
     dead = private_shm.start_owner()
     regions = private_shm.regions_of(dead.pid)
-    kill(dead)
+    dead.kill()
     time.sleep(shmclean.START_SLACK_S + 0.2)  # the newcomer must start clearly after the region was written
     newcomer = take_pid(dead.pid)
     try:
@@ -140,7 +133,7 @@ def take_pid(pid: int) -> subprocess.Popen:
 def test_clean_and_info_commands(private_shm):
     dead = private_shm.start_owner()
     regions = private_shm.regions_of(dead.pid)
-    kill(dead)
+    dead.kill()
     region_name = Path(regions[0]).name
 
     done = private_shm.run("clean", "--dry-run")
@@ -210,7 +203,7 @@ def test_a_live_owner_in_another_pid_namespace_keeps_its_region_and_its_writes(s
 def test_an_engine_start_reclaims_a_killed_engine_of_its_namespace_and_its_record(shared_shm):
     dead = shared_shm.start_owner()
     regions = shared_shm.regions_of(dead.pid)
-    kill(dead)
+    dead.kill()
     assert [r for r in shared_shm.records() if f".pid{dead.pid}." in r]  # SIGKILL left the record too
     done = shared_shm.python("-c", "from fabriclab import Engine; Engine('shm').close()")
     assert done.returncode == 0, done.stderr
@@ -251,11 +244,10 @@ def test_clean_in_a_pid_namespace_of_its_own_refuses_unless_forced(shared_shm):
     takes the region and its record."""
     pid = unused_pid()
     # The namespace's init (sh) gives the engine the pid no process has anywhere, so only its death explains it.
-    dead = subprocess.Popen([*shared_shm.launcher, *CHILD_PID_NAMESPACE, "sh", "-c",
-                             f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; :', sys.executable,
-                             OWNER], stdout=subprocess.PIPE, text=True)
-    assert dead.stdout.readline().strip() == "ready"
-    kill(dead)  # unshare --kill-child takes the namespace's init, and the engine with it
+    dead = Child(["sh", "-c", f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid && "$0" -c "$1"; :', sys.executable,
+                  OWNER], launcher=[*shared_shm.launcher, *CHILD_PID_NAMESPACE])
+    assert dead.line(LINE_TIMEOUT, "ready from the owner") == "ready"
+    dead.kill()  # unshare --kill-child takes the namespace's init, and the engine with it
     regions = shared_shm.regions_of(pid)
     assert regions and shared_shm.records()
     name = Path(regions[0]).name

@@ -5,7 +5,6 @@ process's /dev/shm region and then chain to the previous handler. Python turns S
 KeyboardInterrupt, so the process lived on without its region, and the next peer it wrote to mapped the
 vanished region and crashed. fabriclab.fi gives those signals back to their previous handlers. Real
 processes, real signals."""
-import glob
 import os
 import signal
 import subprocess
@@ -14,58 +13,26 @@ import sys
 import pytest
 
 from fabriclab import fi, shmclean
+from helpers import API_PEER, Child, python, regions_of
 
 HERE = os.path.dirname(__file__)
-PEER = os.path.join(HERE, "api_peer.py")
 WRITER = os.path.join(HERE, "interrupted_writer.py")
 PAGE = 4096  # interrupted_writer.py's page size
 
 pytestmark = pytest.mark.skipif("shm" not in fi.available_providers(), reason="needs libfabric's shm provider")
 
 
-class Process:
-    """A helper script run with this Python: commands on its stdin, answers read a line at a time."""
-
-    def __init__(self, *args):
-        self.proc = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
-
-    def line(self):
-        return self.proc.stdout.readline().strip()
-
-    def send(self, line):
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def signal(self, signum):
-        self.proc.send_signal(signum)
-
-    def close(self):
-        """End of input ends both helpers cleanly, their regions removed; kill only one that hangs."""
-        try:
-            self.proc.send_signal(signal.SIGCONT)  # a test that failed midway may have left it stopped
-            self.proc.stdin.close()
-            self.proc.wait(20)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 def start_target(pages):
     """tests/api_peer.py over shm: returns the process and its bootstrap port (its address not yet swapped)."""
-    target = Process(PEER, "shm", "-", str(pages * PAGE))
+    target = Child(python(API_PEER, "shm", "-", pages * PAGE))
     return target, int(target.line())
 
 
 def start_writer():
-    writer = Process(WRITER)
+    writer = Child(python(WRITER))
     ready = writer.line()
     assert ready.startswith("ready "), ready
     return writer, int(ready.split()[1])
-
-
-def regions_of(pid):
-    return glob.glob(f"/dev/shm/{pid}:*")
 
 
 def posted(writer):
@@ -76,13 +43,9 @@ def posted(writer):
 
 
 def assert_landed(target, imm, pages, digest):
-    try:
-        target.send(f"expect {imm} {pages} 10")
-        answer = target.line()
-    except BrokenPipeError:
-        answer = ""
-    assert answer, f"the target died (exit status {target.proc.wait(10)}; negative: the signal that killed it)"
-    assert answer == f"landed {pages} sha256={digest}"
+    """The target answers (a dead one fails Child.ask with its exit status: negative, the signal that killed it)
+    that every page landed."""
+    assert target.ask(f"expect {imm} {pages} 10") == f"landed {pages} sha256={digest}"
 
 
 def test_ctrl_c_leaves_the_region_and_a_new_peer_survives():
@@ -104,7 +67,7 @@ def test_ctrl_c_leaves_the_region_and_a_new_peer_survives():
     finally:
         for p in (writer, target):
             if p is not None:
-                p.close()
+                p.close(timeout=20, check=False)
 
 
 def test_stopped_target_survives_an_interrupted_writer():
@@ -126,7 +89,7 @@ def test_stopped_target_survives_an_interrupted_writer():
     finally:
         for p in (target, writer):
             if p is not None:
-                p.close()
+                p.close(timeout=20, check=False)
 
 
 def test_sigterm_still_terminates():
@@ -135,7 +98,7 @@ def test_sigterm_still_terminates():
         writer.signal(signal.SIGTERM)
         assert writer.proc.wait(20) == -signal.SIGTERM
     finally:
-        writer.close()
+        writer.close(timeout=20, check=False)
         shmclean.reclaim_stale_shm_regions()  # dying of a signal leaves the region and the owner record
 
 

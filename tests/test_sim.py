@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fabriclab import fi
+from helpers import LINE_TIMEOUT, Child, python
 
 HERE = Path(__file__).resolve().parent
 NIC_A, NIC_B = "rdmap16s0-rdm", "rdmap17s0-rdm"
@@ -133,10 +134,15 @@ def test_binding_tree_closes_cleanly_and_twice(pair):
     assert a.closed
 
 
+def sim_peer(nic: str, count: int, **env) -> Child:
+    """tests/sim_peer.py in a process of its own, serving until ``count`` immediate data have arrived; its first
+    line (its address and region) is the caller's to read."""
+    return Child(python(str(HERE / "sim_peer.py"), nic, count), env={**os.environ, **env})
+
+
 def _two_processes(env, count, payload):
-    peer = subprocess.Popen([sys.executable, str(HERE / "sim_peer.py"), NIC_B, str(count)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
-    address, region = peer.stdout.readline().split()
+    peer = sim_peer(NIC_B, count, **env)
+    address, region = peer.line(LINE_TIMEOUT, "the peer's address and region").split()
     code = (f"import numpy as np\nfrom fabriclab import fi\n"
             f"s = fi.EndpointStack(fi.getinfo('sim', '{NIC_A}')[0])\n"
             f"dest = s.av.insert(fi.Address.parse('{address}'))\n"
@@ -150,9 +156,8 @@ def _two_processes(env, count, payload):
             f"s.close()\n")
     writer = run_python(code, **env)
     assert writer.returncode == 0, writer.stderr
-    landed, total = peer.stdout.readline().rsplit(" ", 1)
-    peer.stdin.close()
-    peer.wait(10)
+    landed, total = peer.line(LINE_TIMEOUT, "what landed").rsplit(" ", 1)
+    peer.close()
     return sorted(map(int, landed.split())), int(total), peer
 
 
@@ -177,24 +182,22 @@ def _sim_segments(pid):
 
 def test_no_shared_memory_left_after_exit_or_sigkill():
     for ending in ("exit", "kill"):
-        peer = subprocess.Popen([sys.executable, str(HERE / "sim_peer.py"), NIC_B, "1"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "FABRICLAB_PROVIDER": "sim"})
-        peer.stdout.readline()
+        peer = sim_peer(NIC_B, 1, FABRICLAB_PROVIDER="sim")
+        peer.line(LINE_TIMEOUT, "the peer's address and region")
         assert _sim_segments(peer.pid)
         if ending == "kill":
-            peer.send_signal(signal.SIGKILL)
+            peer.signal(signal.SIGKILL)
         else:
             peer.stdin.close()
-            peer.terminate()
-        peer.wait(10)
+            peer.signal(signal.SIGTERM)
+        peer.wait()
         # the segment is a memfd: the kernel frees it with the last process holding it, however that ends
         assert not [name for name in os.listdir("/dev/shm") if "sim" in name]
 
 
 def test_dead_peer_is_an_error_not_a_hang(pair):
-    peer = subprocess.Popen([sys.executable, str(HERE / "sim_peer.py"), NIC_B, "1000000"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "FABRICLAB_PROVIDER": "sim"})
-    address, region = peer.stdout.readline().split()
+    peer = sim_peer(NIC_B, 1000000, FABRICLAB_PROVIDER="sim")
+    address, region = peer.line(LINE_TIMEOUT, "the peer's address and region").split()
     a, *_ = pair
     dest = a.av.insert(fi.Address.parse(address))
     mr = a.register(np.zeros(4096, dtype=np.uint8))

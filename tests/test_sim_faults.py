@@ -8,7 +8,6 @@ import contextlib
 import errno
 import json
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -18,8 +17,8 @@ import pytest
 
 from fabriclab import engine as engine_module, fi
 from sim_fault_writer import drive
-from test_api import PeerProcess
-from test_sim import HERE, NIC_A, NIC_B, pair, pump, run_python  # noqa: F401 (pair: the fixture)
+from helpers import PeerProcess
+from test_sim import HERE, NIC_A, NIC_B, pair, pump, run_python, sim_peer  # noqa: F401 (pair: the fixture)
 
 SIM_ENV = {"FABRICLAB_PROVIDER": "sim"}
 TARGET_NIC = "rdmap47s0-rdm"  # the last NIC: writers open the first ones
@@ -27,27 +26,14 @@ UNREACHABLE = fi.errno_name(errno.EHOSTUNREACH)
 SENDER_LIMIT = 256  # sending endpoints one target endpoint hears at once (docs/model.md)
 
 
-def read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """A line from a peer's stdout, or AssertionError after `timeout` (a peer waiting for writes that
-    never come must fail the test, not hang it)."""
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, f"no line from process {proc.pid} within {timeout} s"
-    return proc.stdout.readline()
-
-
 @contextlib.contextmanager
 def target_process(count: int, nic: str = NIC_B, **env):
-    """tests/sim_peer.py in a process of its own, (process, address, region): it serves until `count`
-    immediate data have arrived, and is killed (if still there) and reaped on the way out."""
-    proc = subprocess.Popen([sys.executable, str(HERE / "sim_peer.py"), nic, str(count)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, **SIM_ENV, **env})
-    try:
-        address, region = read_line(proc, 30).split()
+    """tests/sim_peer.py in a process of its own, (helpers.Child, address, region): it serves until `count`
+    immediate data have arrived, and is killed (if still there) and reaped on the way out. A peer waiting for
+    writes that never come fails its test at the read's deadline, never hangs it."""
+    with sim_peer(nic, count, **{**SIM_ENV, **env}) as proc:
+        address, region = proc.line(30, "the target's address and region").split()
         yield proc, address, region
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 # ------------------------------------------------------------------------------------- finding 3
@@ -86,7 +72,7 @@ def _kill_mid_transfer(reap: bool, writes: int = 8192, kill_after: int = 1000) -
     env = {"FABRICLAB_SIM_GBPS": "10"}
     with target_process(1 << 30, **env) as (target, address, region):
         if reap:
-            threading.Thread(target=target.wait, daemon=True).start()
+            threading.Thread(target=target.proc.wait, daemon=True).start()  # reaps it the moment it dies
         writer = subprocess.run([sys.executable, str(HERE / "sim_fault_writer.py"), address, region,
                                  str(target.pid), str(writes), str(64 << 10), str(kill_after)],
                                 capture_output=True, text=True, timeout=120, env={**os.environ, **SIM_ENV, **env})
@@ -123,7 +109,7 @@ def test_writes_that_completed_before_the_target_died_succeed(pair):
         mr = a.register(np.ones(256, dtype=np.uint8))
         for i in range(4096):
             assert a.ep.try_post_write(mr, 0, 256, dest, remote, 0, i, data=i)
-        landed = read_line(target, 30).split()[:-1]
+        landed = target.line(30, "the immediate data that landed").split()[:-1]
         assert sorted(map(int, landed)) == list(range(4096))
         target.kill()
         target.wait(10)
@@ -188,7 +174,7 @@ def test_sixty_four_sending_endpoints_into_one_target_endpoint():
     with target_process(64 * 16, nic=TARGET_NIC) as (target, address, region), sending_endpoints(64) as senders:
         tally = _write_from_each(senders, address, region, 16)
         assert tally.summary() == {"ok": 64 * 16, "errors": {}, "missing": 0, "twice": 0}
-        assert sorted(map(int, read_line(target, 30).split()[:-1])) == list(range(64 * 16))
+        assert sorted(map(int, target.line(30, "the immediate data that landed").split()[:-1])) == list(range(64 * 16))
 
 
 def test_a_sender_past_the_limit_gets_an_error_that_says_so():
@@ -238,7 +224,7 @@ def test_engine_reports_no_success_for_writes_into_a_target_killed_mid_transfer(
     1 s in and left a zombie: the transfer fails with PeerLost, it does not succeed."""
     code = ("import sys, time\nimport numpy as np\n"
             f"sys.path.insert(0, {str(HERE)!r})\n"
-            "from fabriclab import Engine, TransferError\nfrom test_api import PeerProcess\n"
+            "from fabriclab import Engine, TransferError\nfrom helpers import PeerProcess\n"
             "target = PeerProcess(('sim', None), 64 << 20)\n"
             "with Engine('sim', pin=False, timeout=30, gpu=False) as engine:\n"
             "    region = engine.register(np.full(64 << 20, 7, np.uint8))\n"

@@ -18,7 +18,7 @@ from fabriclab import (Engine, PeerLost, RegionClosed, StagingFailed, TransferEr
                        gpu, landing, lanecopy, memory, staging)
 from fabriclab import engine as engine_module
 from fabriclab.nics import NicSet
-from test_api import PeerProcess
+from helpers import PeerProcess
 
 WRITER = os.path.join(os.path.dirname(__file__), "hostile_writer.py")
 

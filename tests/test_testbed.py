@@ -18,6 +18,7 @@ from fabriclab import fi
 from fabriclab.tools import netns, reaper, testbed
 from fabriclab.__main__ import main as fabriclab_main
 from fabriclab.tools.testbed import ContainmentError, Testbed, TestbedError
+from helpers import LINE_TIMEOUT, Child, namespaces
 
 PREFIX = "fabriclab-test"  # never the user's "fabriclab"
 OTHER = "fabriclab-test2"
@@ -25,11 +26,6 @@ LINKS = 4
 RATE = "100mbit"
 UNI = "fabriclab.unidirectional"
 BIDI = "fabriclab.bidirectional"
-
-
-def namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 def ours(prefix=PREFIX) -> list[str]:
@@ -249,20 +245,20 @@ def test_down_returns_only_once_every_process_of_the_namespace_is_gone(netns_ok)
     try:
         inode = testbed._netns_inode(bed.server_ns)
         # Ignores SIGTERM: only the SIGKILL after the grace ends it.
-        stubborn = subprocess.Popen([*bed.launcher("server"), "sh", "-c", "trap '' TERM; echo ready; "
-                                     "while :; do sleep 0.1; done"], stdout=subprocess.PIPE, text=True)
+        stubborn = Child(["sh", "-c", "trap '' TERM; echo ready; while :; do sleep 0.1; done"],
+                         launcher=bed.launcher("server"))
         # Holds the namespace open without being in it yet, as `ip netns exec` does between opening and entering.
         path = testbed.NETNS_DIR / bed.server_ns
-        holder = subprocess.Popen([sys.executable, "-c", f"import time; ns = open({str(path)!r}); "
-                                   "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
-        assert stubborn.stdout.readline() == holder.stdout.readline() == "ready\n"
+        holder = Child([sys.executable, "-c", f"import time; ns = open({str(path)!r}); "
+                        "print('ready', flush=True); time.sleep(60)"])
+        assert stubborn.line(LINE_TIMEOUT, "ready") == holder.line(LINE_TIMEOUT, "ready") == "ready"
     finally:
         bed.down()
     # Both have exited by the time down() returns: no waiting here.
     assert stubborn.poll() == -signal.SIGKILL and holder.poll() == -signal.SIGTERM
     assert reaper.pids_in_namespace(inode) == set()
-    stubborn.stdout.close()
-    holder.stdout.close()
+    stubborn.close()
+    holder.close()
 
 
 def tb_delay(bed):

@@ -6,12 +6,9 @@ The peer (tests/api_peer.py --hex) runs in the server namespace, the writer
 (tests/testbed_engine_writer.py) in the client namespace. The test process only starts them and passes
 the peer's address and descriptor along as hex through their pipes, so all traffic stays on the links."""
 import os
-import queue
 import re
 import struct
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +18,7 @@ import fabriclab
 from fabriclab import bootstrap, fi
 from fabriclab.tools import testbed
 from fabriclab.tools.testbed import Testbed
+from helpers import API_PEER as PEER, Child, namespaces, python
 
 PREFIX = "fabriclab-tengine"  # neither the user's "fabriclab" nor tests/test_testbed.py's
 LINKS = 4
@@ -28,16 +26,10 @@ RATE = "200mbit"
 PROVIDER = "tcp;ofi_rxm"
 PAGE = 65536
 TESTS = Path(__file__).parent
-PEER = TESTS / "api_peer.py"
 WRITER = TESTS / "testbed_engine_writer.py"
 # The namespaced children must import the same fabriclab as this test, whatever is installed elsewhere.
 CHILD_ENV = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(
     filter(None, [str(Path(fabriclab.__file__).parent.parent), os.environ.get("PYTHONPATH")])))
-
-
-def namespaces() -> list[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 def running_in(bed: Testbed) -> dict[str, list[str]]:
@@ -71,63 +63,9 @@ def bed(module_testbed):
     assert not running_in(module_testbed), f"processes left running: {running_in(module_testbed)}"
 
 
-class Child:
-    """A Python script in one side's namespace. Its output is read by threads so that every wait here
-    has a deadline; leaving the ``with`` block kills it if it still runs."""
-
-    def __init__(self, bed: Testbed, side: str, script: Path, *args):
-        self.proc = subprocess.Popen([*bed.launcher(side), sys.executable, str(script), *map(str, args)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=CHILD_ENV)
-        self.lines: queue.Queue = queue.Queue()
-        self.errors: list[str] = []
-        self.readers = [threading.Thread(target=self._pump, args=(self.proc.stdout, self.lines.put), daemon=True),
-                        threading.Thread(target=self._pump, args=(self.proc.stderr, self.errors.append), daemon=True)]
-        for reader in self.readers:
-            reader.start()
-
-    @staticmethod
-    def _pump(stream, sink):
-        for line in stream:
-            sink(line.rstrip("\n"))
-        sink(None)
-
-    def stderr(self) -> str:
-        return "\n".join(line for line in self.errors[-30:] if line is not None)
-
-    def read_line(self, timeout: float, what: str) -> str:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            raise AssertionError(f"no {what} within {timeout:g} s; stderr:\n{self.stderr()}") from None
-        if line is None:
-            self.proc.wait(10)
-            raise AssertionError(f"no {what}: the process ended (exit {self.proc.returncode}); stderr:\n"
-                                 f"{self.stderr()}")
-        return line
-
-    def ask(self, command: str, timeout: float) -> str:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        return self.read_line(timeout, f"answer to {command!r}")
-
-    def wait(self, timeout: float) -> int:
-        self.proc.wait(timeout)
-        for reader in self.readers:
-            reader.join(5)
-        return self.proc.returncode
-
-    def end(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.wait(10)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.end()
-        return False
+def child(bed: Testbed, side: str, script: str | Path, *args) -> Child:
+    """A Python script in one side's namespace (helpers.Child: every read and wait has a deadline)."""
+    return Child(python(str(script), *args), launcher=bed.launcher(side), env=CHILD_ENV)
 
 
 def domains(bed: Testbed, side: str) -> str:
@@ -150,22 +88,22 @@ def start_peer(bed: Testbed, size: int) -> tuple[Child, str]:
     """tests/api_peer.py in the server namespace, one NIC per link; returns it and its bootstrap hex line,
     once every NIC of it is known to sit on its own link (the writer sends nowhere else)."""
     bed.assert_contained()
-    peer = Child(bed, "server", PEER, PROVIDER, domains(bed, "server"), size, "--hex")
+    peer = child(bed, "server", PEER, PROVIDER, domains(bed, "server"), size, "--hex")
     try:
-        peer_hex = peer.read_line(60, "bootstrap line from the peer")
+        peer_hex = peer.line(60, "bootstrap line from the peer")
         address, _ = bootstrap.unpack(bytes.fromhex(peer_hex))
         nic_addresses = engine_nic_addresses(address)
         assert len(nic_addresses) == LINKS
         for link, nic_address in enumerate(nic_addresses):
             bed.check_peer(nic_address, "server", link)
     except BaseException:
-        peer.end()
+        peer.kill()
         raise
     return peer, peer_hex
 
 
 def start_writer(bed: Testbed, role: str, peer_hex: str, *args) -> Child:
-    return Child(bed, "client", WRITER, role, peer_hex, domains(bed, "client"), *args)
+    return child(bed, "client", WRITER, role, peer_hex, domains(bed, "client"), *args)
 
 
 def client_tx_bytes(bed: Testbed) -> list[int]:
@@ -177,16 +115,16 @@ def test_peer_killed_mid_transfer_is_reported_in_time_and_the_survivor_closes_cl
     timeout = 6
     peer, peer_hex = start_peer(bed, 16 << 20)
     with peer, start_writer(bed, "until-lost", peer_hex, timeout) as survivor:
-        assert survivor.read_line(60, "first transfer") == "flowing"
+        assert survivor.line(60, "first transfer") == "flowing"
         before = client_tx_bytes(bed)
         time.sleep(0.3)
         moving = [after - b for after, b in zip(client_tx_bytes(bed), before)]
         assert all(m > 1 << 20 for m in moving), f"not mid-transfer: bytes sent per link in 0.3 s {moving}"
         peer.proc.kill()
         killed = time.monotonic()
-        lost = survivor.read_line(timeout + 10, "error after the peer was killed")
+        lost = survivor.line(timeout + 10, "error after the peer was killed")
         noticed_after = time.monotonic() - killed
-        closed = survivor.read_line(30, "close after the error")
+        closed = survivor.line(30, "close after the error")
         exit_code = survivor.wait(30)
     print(f"\nfigure: peer SIGKILLed mid-transfer: the survivor reported it after {noticed_after:.2f} s "
           f"(timeout {timeout} s): {lost}; {closed}; exit {exit_code}")
@@ -221,7 +159,7 @@ def test_random_pages_land_byte_exact_over_lossy_links(bed):
         before = client_tx_bytes(bed)
         peer, peer_hex = start_peer(bed, mib << 20)
         with peer, start_writer(bed, "random-pages", peer_hex, mib, imm) as writer:
-            wrote = writer.read_line(120, "transfer result")
+            wrote = writer.line(120, "transfer result")
             assert writer.wait(30) == 0, writer.stderr()
             landed = peer.ask(f"expect {imm} {pages} 30", 40)
         sent = [after - b for after, b in zip(client_tx_bytes(bed), before)]
@@ -247,8 +185,8 @@ def test_a_link_down_mid_transfer_fails_over_and_lands_byte_exact(bed):
         with peer, start_writer(bed, "random-pages", peer_hex, mib, imm, 1.0) as writer:
             bed.wait_for_traffic(link, 4 << 20, running=writer.proc)
             bed.link_down(link)
-            wrote = writer.read_line(120, "transfer result")
-            down = writer.read_line(10, "the NIC that was failed over")
+            wrote = writer.line(120, "transfer result")
+            down = writer.line(10, "the NIC that was failed over")
             assert writer.wait(30) == 0, writer.stderr()
             landed = peer.ask(f"expect {imm} {pages} 30", 40)
     finally:
@@ -271,7 +209,7 @@ def test_a_thousand_engine_lifecycles_leak_neither_fds_nor_memory(bed):
     with peer:
         peer_fds = open_fds_of(peer.proc.pid)
         with start_writer(bed, "cycles", peer_hex, cycles, warmup, imm) as writer:
-            summary = writer.read_line(400, "summary of the cycles")
+            summary = writer.line(400, "summary of the cycles")
             assert writer.wait(30) == 0, writer.stderr()
         peer_fds_after = open_fds_of(peer.proc.pid)
         landed = peer.ask(f"expect {imm} {warmup + cycles} 30", 40)

@@ -444,12 +444,14 @@ def progression(measured: Mapping[str, float], article: Mapping[int, tuple[float
                 current: str | None = None, chapters: Sequence[str] | None = None,
                 measured_label: str = "here: % of the memcpy ceiling",
                 article_label: str = "article (p5): % of its line rate",
-                title: str | None = None) -> Figure:
+                title: str | None = None, recorded: Mapping[str, float] | None = None,
+                recorded_label: str = "recorded") -> Figure:
     """The progression as two bars per chapter: the reader's measured percentage (``measured``, chapter
     name such as "9" or "13+" → percent) beside the article's (``article``: chapter → (Gbps, line-rate
     Gbps), by default ``tour.ARTICLE_GBPS``). Chapters shown: ``chapters``, else the article's 9-15 plus
     every measured one, so a lesson's bars fill in from left to right as the course goes on. ``current``
-    (a chapter) is drawn in a stronger colour; extra steps the article lacks are labelled as such."""
+    (a chapter) is drawn in a stronger colour; extra steps the article lacks are labelled as such. ``recorded``
+    (chapter → percent, course.recorded: a larger machine's run) adds a third bar between the two."""
     from matplotlib.patches import Patch
     if article is None:
         from .tour import ARTICLE_GBPS as article
@@ -462,26 +464,32 @@ def progression(measured: Mapping[str, float], article: Mapping[int, tuple[float
             ref[name] = 100.0 * gbps / line
     fig = _figure(max(6.0, 0.85 * len(names) + 2.2), 3.6)
     ax = fig.add_axes((0.09, 0.2, 0.89, 0.62))
-    width = 0.38
-    here_color, past_color, paper_color = COLORS["send"], "#f0b27a", "#5d6d7e"
-    top = max([100.0] + list(ref.values()) + [float(v) for v in measured.values()])
+    recorded = {str(k): float(v) for k, v in (recorded or {}).items()}
+    width = 0.27 if recorded else 0.38
+    paper_x, here_x = (-width, width) if recorded else (-width / 2, width / 2)
+    here_color, past_color, paper_color, recorded_color = COLORS["send"], "#f0b27a", "#5d6d7e", "#a9cce3"
+    top = max([100.0] + list(ref.values()) + [float(v) for v in measured.values()] + list(recorded.values()))
     for i, name in enumerate(names):
         if name in ref:
-            ax.bar(i - width / 2, ref[name], width, color=paper_color)
-            ax.text(i - width / 2, ref[name] + top * 0.01, f"{ref[name]:.1f}", ha="center", va="bottom",
+            ax.bar(i + paper_x, ref[name], width, color=paper_color)
+            ax.text(i + paper_x, ref[name] + top * 0.01, f"{ref[name]:.1f}", ha="center", va="bottom",
                     fontsize=7, color=paper_color)
         else:
-            ax.text(i - width / 2, top * 0.02, "not in\nthe article", ha="center", va="bottom", fontsize=6,
+            ax.text(i + paper_x, top * 0.02, "not in\nthe article", ha="center", va="bottom", fontsize=6,
                     color="#999999", rotation=90)
+        if name in recorded:
+            ax.bar(i, recorded[name], width, color=recorded_color, hatch="//", edgecolor="#5d6d7e", linewidth=0.5)
+            ax.text(i, recorded[name] + top * 0.01, f"{recorded[name]:.1f}", ha="center", va="bottom", fontsize=7,
+                    color="#5d6d7e")
         if name in measured:
             value = float(measured[name])
             color = here_color if current is None or name == str(current) else past_color
-            ax.bar(i + width / 2, value, width, color=color, edgecolor="black" if name == str(current) else None,
+            ax.bar(i + here_x, value, width, color=color, edgecolor="black" if name == str(current) else None,
                    linewidth=0.8)
-            ax.text(i + width / 2, value + top * 0.01, f"{value:.1f}", ha="center", va="bottom", fontsize=7,
+            ax.text(i + here_x, value + top * 0.01, f"{value:.1f}", ha="center", va="bottom", fontsize=7,
                     color="black")
         else:
-            ax.text(i + width / 2, top * 0.02, "later", ha="center", va="bottom", fontsize=6, color="#999999",
+            ax.text(i + here_x, top * 0.02, "later", ha="center", va="bottom", fontsize=6, color="#999999",
                     rotation=90)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels([f"ch {n}" for n in names], fontsize=8)
@@ -494,9 +502,12 @@ def progression(measured: Mapping[str, float], article: Mapping[int, tuple[float
     ax.axhline(100, color="black", lw=0.8, ls="--")
     ax.grid(axis="y", color=COLORS["grid"])
     ax.set_axisbelow(True)
-    handles = [Patch(color=paper_color), Patch(color=here_color)]
-    ax.legend(handles, [article_label, measured_label], fontsize=7.5, ncol=2, loc="lower center",
-              bbox_to_anchor=(0.5, 1.0), frameon=False)
+    handles, labels = [Patch(color=paper_color), Patch(color=here_color)], [article_label, measured_label]
+    if recorded:
+        handles.insert(1, Patch(facecolor=recorded_color, hatch="//", edgecolor="#5d6d7e"))
+        labels.insert(1, recorded_label)
+    ax.legend(handles, labels, fontsize=7.5, ncol=len(labels), loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              frameon=False)
     if title:
         ax.set_title(title, fontsize=10, pad=20)
     return fig

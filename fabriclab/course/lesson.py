@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import fi, measure
+from .. import fi, measure, recorded
 
 # Providers that run over IP: a lesson pins them to the loopback interface.
 
@@ -671,3 +671,22 @@ def progression_table(chosen: dict, ceiling: dict, runs: list) -> None:
     print("memcpy ceiling (same bytes, median):",
           ", ".join(f"{g:.1f} Gbps with {t} thread{'s' if t > 1 else ''}" for t, g in sorted(ceiling.items())))
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}")
+
+
+# ---- a larger machine's progression beside the reader's (issue 23: what more cores do)
+
+def beside_recorded(measured: dict[str, float], measured_label: str,
+                    recording: recorded.Recording | None = None, **options: Any) -> Any:
+    """course.figures.progression (a matplotlib Figure) of the reader's percentages with the recording's beside
+    them, labelled "recorded" with its cores and provider, after printing where it was recorded; without a
+    recording shipped it prints that and draws the reader's alone. ``measured`` must be the recording's
+    measure (``Chapter.percent``: % of the line on the model, as lesson 16 draws it), or the bars compare
+    nothing. ``options`` go to figures.progression."""
+    from . import figures
+    recording = recording if recording is not None else recorded.shipped()
+    if recording is None:
+        print(f"no recording from a larger machine is shipped with this fabriclab; {recorded.HOW}")
+        return figures.progression(measured, measured_label=measured_label, **options)
+    print(recording.describe())
+    return figures.progression(measured, measured_label=measured_label, recorded=recording.percents(),
+                               recorded_label=recording.label, **options)

@@ -23,7 +23,7 @@ import shlex
 import sys
 from dataclasses import asdict
 
-from .. import cli, fi, memory, nics, rdma_write, threaded
+from .. import cli, fi, memory, nics, rdma_write, recorded, threaded
 from ..measure import gbps
 from .bench_api import api_comparison
 from .bench_ceiling import COPY_FLOOR_BYTES, last_level_cache_bytes, memcpy_gbps, memcpy_rate
@@ -236,11 +236,16 @@ def progression(chapters=None, rounds: int = 3, **kw) -> list[BenchResult]:
         median.runs_gbps = [r.gbps for r in done]
         median.verified = all(r.verified for r in done) if median.verified is not None else None
         out.append(median)
+    return out
 
 
 def main(args) -> int:
     switched = nics.measure_the_nics()  # before libfabric starts: bench measures NICs, never a same-host detour
     config = BenchConfig.from_args(args)
+    if args.record is not None:  # checked before minutes of runs are spent on it
+        if not args.progression:
+            raise fi.UsageError("--record FILE records a progression: add --progression")
+        recorded.check_destination(args.record)
     provider = config.provider or fi.default_provider()
     if switched and provider.split(";")[0] in nics.SAME_HOST_SHM_SWITCHES:
         print(f"bench: {switched}, so a server on this host is reached through the NICs, not shared memory",
@@ -268,4 +273,7 @@ def main(args) -> int:
     else:
         results = [run(config, progress=not args.json)]
     print_results(results, args.json, config.line_rate_bps)
+    if args.record is not None:
+        recorded.write(args.record, results, ["python", "-m", "fabriclab", *sys.argv[1:]], asdict(config))
+        print(f"recorded to {args.record}: {recorded.load(args.record).label}")
     return 0 if all(r.verified in (True, None) for r in results) else 1

@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
                          help="the links' aggregate rate (e.g. 3.2G, 100mbit): prints the %% of it that landed")
     harness.add_argument("--json", action="store_true",
                          help="print one JSON object per result, the last on the last line")
+    harness.add_argument("--record", metavar="FILE", default=None,
+                         help="--progression: also write the run as a recording (fabriclab.recorded) that "
+                              "lessons draw beside the reader's, e.g. fabriclab/data/progression-16core.json")
 
 
 def _option_defaults() -> dict:
