@@ -671,3 +671,201 @@ def progression_table(chosen: dict, ceiling: dict, runs: list) -> None:
     print("memcpy ceiling (same bytes, median):",
           ", ".join(f"{g:.1f} Gbps with {t} thread{'s' if t > 1 else ''}" for t, g in sorted(ceiling.items())))
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}")
+
+
+# ------------------------------------------------ lessons 09-12: checked facts, chapters on the model
+# A lesson states a measured relation only through ``fact`` (the relation, its tolerance, and whether it held,
+# printed plainly so that a re-execution that contradicts the prose fails nbval), or says with ``not_shown``
+# why this machine cannot show it. ``check`` scores an exercise's prediction against a measurement.
+
+#: The modeled p5 (docs/model.md): 32 NICs of 100 Gbps whose DMA costs the host nothing.
+MODEL = fi.MODELED_PROVIDER
+#: Runs on the model move 1 GiB (16,384 writes of 64 KiB): long enough for a scheduler's time slices to
+#: average out, short enough for a lesson of several dozen runs.
+MODEL_TOTAL = 1 << 30
+
+
+def numa_nodes() -> int:
+    """NUMA nodes of this machine (sysfs; 1 where it does not say)."""
+    return max(1, len(list(pathlib.Path("/sys/devices/system/node").glob("node[0-9]*"))))
+
+
+def box(provider: str | None = None) -> str:
+    """What a measurement ran on, in words: cores this process may use, NUMA nodes and the provider."""
+    import os
+    cores = len(os.sched_getaffinity(0))
+    where = f"{cores} core(s) this process may use, {numa_nodes()} NUMA node(s)"
+    return where + (f", provider {provider}" + (" (modeled)" if provider == MODEL else "") if provider else "")
+
+
+def fact(claim: str, holds: bool, tolerance: str) -> bool:
+    """Print a measured relation as a checked fact: what is claimed, within what tolerance, and whether it held."""
+    print(f"{'holds' if holds else 'DOES NOT HOLD'}: {claim} [tolerance: {tolerance}]")
+    return holds
+
+
+def not_shown(claim: str, why: str) -> None:
+    """Say that this machine cannot show a relation, and why (its cores, its provider)."""
+    print(f"not shown here: {claim}; {why}")
+
+
+def check(what: str, predicted: float, measured: float, within: float = 0.25) -> bool:
+    """An exercise's prediction against what was measured: right when it is within ``within`` of it
+    (relative: 0.25 is ±25 %)."""
+    if not (np.isfinite(predicted) and np.isfinite(measured)):
+        raise fi.UsageError(f"{what}: prediction {predicted!r} and measurement {measured!r} must be finite numbers")
+    off = abs(predicted - measured) / max(abs(measured), 1e-12)
+    right = off <= within
+    print(f"{what}: predicted {_figure(predicted)}, measured {_figure(measured)} -> "
+          f"{'right' if right else 'off'} by {off:.0%} (counted right within {within:.0%})")
+    return right
+
+
+def chapter_runs(bench, chapters, rounds: int = 3, provider: str | None = None, **setup) -> dict:
+    """Chapters of tools.bench.PROGRESSION (each with only its own techniques on, ``threads`` as the GPU
+    groups of every chapter as bench.progression has it) as variants of one interleaved run through one
+    target: chapter → runs."""
+    groups = {**ENGINE_SETUP, **setup}["threads"]
+    wanted = [str(c) for c in chapters]
+    variants = {chapter: {"stage": stage, "groups": groups, **overrides}
+                for chapter, _, stage, overrides in bench.PROGRESSION if chapter in wanted}
+    missing = set(wanted) - set(variants)
+    if missing:
+        raise fi.UsageError(f"no chapter {', '.join(sorted(missing))} in bench.PROGRESSION")
+    return interleaved(bench, variants, rounds, provider, **setup)
+
+
+def share_of_line(r) -> float:
+    """A run's Gbps as a percentage of its NICs' aggregate line rate (the model reports 100 Gbps a NIC),
+    or of the memcpy ceiling where the provider reports no line rate (shm, tcp)."""
+    return 100 * r.gbps / r.line_gbps if r.line_gbps else 100 * r.ratio_to_memcpy
+
+
+def median_of(runs, metric) -> float:
+    """The median of ``metric`` over some runs."""
+    return spread(metric(r) for r in runs)[0]
+
+
+def chapter_table(results: dict) -> None:
+    """One row per chapter of chapter_runs: Gbps median (min-max), % of the line (or of memcpy), writes
+    per second, writer threads for its GPU groups and target threads, beside the article's figure."""
+    for chapter, runs in results.items():
+        r = sorted(runs, key=lambda x: x.gbps)[(len(runs) - 1) // 2]
+        gbps, share = spread(x.gbps for x in runs), spread(share_of_line(x) for x in runs)
+        theirs = article(chapter)
+        ref = f"article {theirs[0]:7.1f} Gbps = {theirs[1]:4.1f} %" if theirs else "(not in the article)"
+        of = "of line" if r.line_gbps else "of memcpy"
+        print(f"ch {chapter:<4}{gbps[0]:8.1f} Gbps ({gbps[1]:.1f}-{gbps[2]:.1f}) = {share[0]:5.1f} % {of} "
+              f"({share[1]:.1f}-{share[2]:.1f}); {r.mops:.3f} M writes/s; {r.threads} writer thread(s) for "
+              f"{r.groups} group(s) + {r.target_threads} target thread | {ref}")
+
+
+def progression_chart(results: dict, current: str, title: str, measured_label: str):
+    """figures.progression of chapter_runs' results (each chapter's median % of line, or of memcpy), with
+    a bar from the min to the max of its runs on each measured bar."""
+    from . import figures
+    names = sorted(set(results) | {str(c) for c in range(9, 16)}, key=figures._chapter_key)
+    shares = {c: spread(share_of_line(r) for r in runs) for c, runs in results.items()}
+    fig = figures.progression({c: s[0] for c, s in shares.items()}, current=current, chapters=names,
+                              measured_label=measured_label + " (median; bars: min to max)", title=title)
+    ax = fig.axes[0]
+    for i, name in enumerate(names):
+        if name in shares:
+            median, low, high = shares[name]
+            ax.errorbar(i + 0.19, median, yerr=[[median - low], [high - median]], color="black", capsize=3, lw=1)
+    return fig
+
+
+def thread_migrations() -> int:
+    """How often the scheduler has moved the calling thread to another CPU (``se.nr_migrations`` of
+    /proc/thread-self/sched); -1 where the kernel keeps no scheduler statistics."""
+    try:
+        text = pathlib.Path("/proc/thread-self/sched").read_text()
+    except OSError:
+        return -1
+    return next((int(line.split(":")[1]) for line in text.splitlines() if line.startswith("se.nr_migrations")), -1)
+
+
+class ModelNics:
+    """``count`` NICs of the modeled p5 in this process, for writing a chapter's loop yourself: slot *i* is a
+    writer endpoint and a target endpoint on model NIC *i* (lessons 09-12's build-it-yourself exercises).
+    ``post(i)`` tries one write of ``page_size`` bytes on slot *i* (False when the NIC's queue refused it,
+    -FI_EAGAIN); ``poll(i)`` reads slot *i*'s completion queue once and returns how many writes completed.
+    Each slot keeps its own counts (``posted``, ``completed``, ``cq_reads``), so threads that own disjoint
+    slots may drive them at once. ``measure(loop, writes)`` times ``loop(nics, writes)`` and checks that
+    every write completed once. A context manager."""
+
+    def __init__(self, count: int = 4, page_size: int = 64 << 10, timeout: float = 30.0):
+        domains = [info.domain for info in fi.domains(MODEL)]
+        if not 0 < count <= len(domains):
+            raise fi.UsageError(f"the model has {len(domains)} NICs: ask for 1 to {len(domains)}, got {count}")
+        if page_size <= 0:
+            raise fi.UsageError(f"page_size must be positive, got {page_size}")
+        self.count, self.page_size, self.timeout = count, page_size, timeout
+        self.slots: list[LocalPair] = []
+        try:
+            for name in domains[:count]:
+                self.slots.append(LocalPair(MODEL, name, size=page_size, timeout=timeout))
+        except BaseException:
+            self.close()
+            raise
+        nic = self.slots[0].info.nic
+        self.line_gbps = count * (nic.link_speed_bps / 1e9 if nic and nic.link_speed_bps else 100.0)
+        self._remote = [s.inbox_mr.remote() for s in self.slots]
+        self.deadline = float("inf")
+        self.reset()
+
+    def reset(self) -> None:
+        self.posted = [0] * self.count
+        self.completed = [0] * self.count
+        self.cq_reads = [0] * self.count
+
+    def post(self, i: int) -> bool:
+        """Try one write on slot ``i``; False if its queue is full (-FI_EAGAIN): poll, then try again."""
+        s = self.slots[i]
+        if not s.sender.ep.try_post_write(s.outbox_mr, 0, self.page_size, s.dest, self._remote[i], 0, i):
+            return False
+        self.posted[i] += 1
+        return True
+
+    def poll(self, i: int) -> int:
+        """Read slot ``i``'s completion queue once (fi_cq_read): how many of its writes completed."""
+        if time.monotonic() > self.deadline:
+            raise fi.FabricTimeout(f"your loop's writes on {self.count} model NICs", self.timeout,
+                                   f"{sum(self.completed)} of {sum(self.posted)} posted writes completed")
+        self.cq_reads[i] += 1
+        done = len(self.slots[i].sender.cq.poll())
+        self.completed[i] += done
+        return done
+
+    def measure(self, loop: Callable[["ModelNics", int], None], writes: int) -> dict:
+        """Run ``loop(self, writes)``, which must post ``writes`` writes and poll until all completed;
+        returns seconds, writes_per_s, gbps, share (% of the NICs' line rate) and cq_reads_per_write."""
+        if writes <= 0:
+            raise fi.UsageError(f"writes must be at least 1, got {writes}")
+        self.reset()
+        self.deadline = time.monotonic() + self.timeout
+        start = time.perf_counter()
+        try:
+            loop(self, writes)
+        finally:
+            self.deadline = float("inf")
+        seconds = time.perf_counter() - start
+        posted, completed = sum(self.posted), sum(self.completed)
+        if posted != writes or completed != writes:
+            raise fi.UsageError(f"the loop posted {posted} and saw {completed} complete, of {writes} writes: it "
+                                "must post each write once and poll until every one has completed")
+        gbps = writes * self.page_size * 8 / seconds / 1e9
+        return {"seconds": seconds, "writes_per_s": writes / seconds, "gbps": gbps,
+                "share": 100 * gbps / self.line_gbps, "cq_reads_per_write": sum(self.cq_reads) / writes}
+
+    def close(self) -> None:
+        for s in self.slots:
+            s.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
