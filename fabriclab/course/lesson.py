@@ -709,15 +709,17 @@ def not_shown(claim: str, why: str) -> None:
     print(f"not shown here: {claim}; {why}")
 
 
-def check(what: str, predicted: float, measured: float, within: float = 0.25) -> bool:
+def check(what: str, predicted: float, measured: float, within: float = 0.25, absolute: bool = False) -> bool:
     """An exercise's prediction against what was measured: right when it is within ``within`` of it
-    (relative: 0.25 is ±25 %)."""
-    if not (np.isfinite(predicted) and np.isfinite(measured)):
-        raise fi.UsageError(f"{what}: prediction {predicted!r} and measurement {measured!r} must be finite numbers")
-    off = abs(predicted - measured) / max(abs(measured), 1e-12)
+    (relative: 0.25 is ±25 %; with ``absolute``, in the measurement's own unit, for counts that may be 0)."""
+    if not (np.isfinite(predicted) and np.isfinite(measured) and np.isfinite(within) and within >= 0):
+        raise fi.UsageError(f"{what}: prediction {predicted!r}, measurement {measured!r} and tolerance {within!r} "
+                            "must be finite numbers, the tolerance not negative")
+    off = abs(predicted - measured) if absolute else abs(predicted - measured) / max(abs(measured), 1e-12)
     right = off <= within
+    shown = (lambda x: _figure(x)) if absolute else (lambda x: f"{x:.0%}")
     print(f"{what}: predicted {_figure(predicted)}, measured {_figure(measured)} -> "
-          f"{'right' if right else 'off'} by {off:.0%} (counted right within {within:.0%})")
+          f"{'right' if right else 'wrong'}: off by {shown(off)}, right within {shown(within)}")
     return right
 
 
@@ -869,3 +871,42 @@ class ModelNics:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+#: A noisy neighbour's program: busy for a few milliseconds, asleep for one, forever (until it is stopped).
+_NEIGHBOUR = ("import sys, time\nwork, rest = float(sys.argv[1]), float(sys.argv[2])\nwhile True:\n"
+              "    t = time.perf_counter()\n    while time.perf_counter() - t < work:\n        pass\n"
+              "    time.sleep(rest)\n")
+
+
+class NoisyNeighbour:
+    """While open, a process that alternates ``work_ms`` of busy work with ``rest_ms`` asleep, as a shared
+    machine's other jobs do: its wake-ups give the scheduler reasons to move threads (lesson 12). Stopped,
+    by its own pid, on exit."""
+
+    def __init__(self, work_ms: float = 2.0, rest_ms: float = 1.0):
+        if not (work_ms > 0 and rest_ms > 0 and np.isfinite(work_ms) and np.isfinite(rest_ms)):
+            raise fi.UsageError(f"work_ms and rest_ms must be positive milliseconds, got {work_ms!r}, {rest_ms!r}")
+        self.work_ms, self.rest_ms = work_ms, rest_ms
+        self.process = None
+
+    def __enter__(self):
+        import subprocess
+        import sys
+        self.process = subprocess.Popen([sys.executable, "-c", _NEIGHBOUR, str(self.work_ms / 1e3),
+                                         str(self.rest_ms / 1e3)])
+        return self
+
+    def __exit__(self, *exc):
+        self.process.kill()
+        self.process.wait(timeout=10)
+        return False
+
+
+def model_total(gbps: float, seconds: float) -> int:
+    """Bytes a run on the model should move to last about ``seconds`` at ``gbps`` (whole 64 KiB pages,
+    between MODEL_TOTAL and 256 GiB)."""
+    if not (gbps > 0 and seconds > 0):
+        raise fi.UsageError(f"gbps and seconds must be positive, got {gbps!r}, {seconds!r}")
+    pages = int(gbps * 1e9 / 8 * seconds) // ENGINE_SETUP["page_size"]
+    return min(max(pages * ENGINE_SETUP["page_size"], MODEL_TOTAL), 256 << 30)
