@@ -712,6 +712,10 @@ def not_shown(claim: str, why: str) -> None:
 def check(what: str, predicted: float, measured: float, within: float = 0.25, absolute: bool = False) -> bool:
     """An exercise's prediction against what was measured: right when it is within ``within`` of it
     (relative: 0.25 is ±25 %; with ``absolute``, in the measurement's own unit, for counts that may be 0)."""
+    try:
+        predicted, measured, within = float(predicted), float(measured), float(within)
+    except (TypeError, ValueError):
+        raise fi.UsageError(f"{what}: the prediction must be a number; put yours in place of {predicted!r}") from None
     if not (np.isfinite(predicted) and np.isfinite(measured) and np.isfinite(within) and within >= 0):
         raise fi.UsageError(f"{what}: prediction {predicted!r}, measurement {measured!r} and tolerance {within!r} "
                             "must be finite numbers, the tolerance not negative")
