@@ -119,3 +119,73 @@ def test_the_tour_runs_a_lesson_without_the_kernels_transport_warning(tmp_path, 
     assert "03_x.ipynb" in out and "ok" in out
     assert "WARNING" not in out + err
     assert tour.read_results(tmp_path / "out")[0]["measured"] == "1.0 Gbps"
+
+
+# ---- lessons 09-12: checked facts, predictions, chapters on the model, the model in Python
+
+def test_fact_and_check_print_what_held_and_refuse_what_is_no_number(capsys):
+    assert lesson.fact("two is more than one", 2 > 1, "none") is True
+    assert lesson.fact("one is more than two", 1 > 2, "none") is False
+    lesson.not_shown("a gain", "1 core here")
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["holds: two is more than one [tolerance: none]", "DOES NOT HOLD: one is more than two [tolerance: none]",
+                   "not shown here: a gain; 1 core here"]
+    assert lesson.check("ratio", 1.2, 1.0, within=0.25) and not lesson.check("ratio", 2.0, 1.0, within=0.25)
+    assert lesson.check("moves", 0, 0, within=0.5, absolute=True) and not lesson.check("moves", 0, 3, within=0.5, absolute=True)
+    for bad in (..., float("nan"), float("inf"), "many"):
+        with pytest.raises(fi.UsageError, match="ratio"):
+            lesson.check("ratio", bad, 1.0)
+    with pytest.raises(fi.UsageError, match="tolerance"):
+        lesson.check("ratio", 1.0, 1.0, within=-1)
+
+
+def test_model_nics_run_a_readers_loop_and_refuse_one_that_loses_writes():
+    def chapter9(nics, writes):
+        posted = 0
+        while sum(nics.completed) < writes:
+            for i in range(nics.count):
+                nics.poll(i)
+            if posted < writes and nics.post(posted % nics.count):
+                posted += 1
+
+    with lesson.ModelNics(4) as nics:
+        assert nics.line_gbps == 400
+        got = nics.measure(chapter9, 200)
+        assert nics.posted == nics.completed == [50] * 4
+        assert got["cq_reads_per_write"] >= 4 and got["gbps"] > 0 and 0 < got["share"] <= 100 * 1.05
+        with pytest.raises(fi.UsageError, match="posted 1 and saw 1 complete, of 10"):
+            nics.measure(lambda n, w: (n.post(0), [n.poll(0) for _ in range(10_000) if not n.completed[0]]), 10)
+        nics.timeout = 0.2
+        with pytest.raises(fi.FabricTimeout):  # a loop that never stops polling is ended by the deadline
+            nics.measure(lambda n, w: [n.poll(0) for _ in iter(int, 1)], 1)
+    for count in (0, 33):
+        with pytest.raises(fi.UsageError, match="the model has 32 NICs"):
+            lesson.ModelNics(count)
+
+
+def test_chapter_runs_take_the_progressions_switches_and_name_unknown_chapters():
+    runs = lesson.chapter_runs(bench, ["9", "10"], rounds=1, provider=lesson.MODEL, nics=4, total=64 << 20)
+    assert list(runs) == ["9", "10"]
+    nine, ten = runs["9"][0], runs["10"][0]
+    assert nine.modeled and nine.stage == "multi_nic" and nine.groups == 2 and nine.threads == 1
+    assert lesson.accepted_writes(nine) == nine.writes < lesson.accepted_writes(ten)  # warm-up writes in 10 only
+    assert 0 < lesson.share_of_line(nine) <= 100 * 1.05 and nine.line_gbps == 400
+    fig = lesson.progression_chart(runs, current="10", title="t", measured_label="m")
+    assert len(fig.axes[0].containers) >= 2 + 2  # article and measured bars, and a min-max bar per chapter
+    with pytest.raises(fi.UsageError, match="no chapter 99"):
+        lesson.chapter_runs(bench, ["9", "99"], rounds=1, provider=lesson.MODEL)
+
+
+def test_noisy_neighbour_runs_while_open_and_is_gone_after():
+    import os
+    with lesson.NoisyNeighbour(work_ms=1, rest_ms=1) as n:
+        assert n.process.poll() is None
+        pid = n.process.pid
+    assert n.process.poll() is not None and not os.path.exists(f"/proc/{pid}/status")
+    with pytest.raises(fi.UsageError, match="positive"):
+        lesson.NoisyNeighbour(work_ms=0)
+    assert lesson.thread_migrations() >= 0
+    assert lesson.model_total(1e-6, 1.0) == lesson.MODEL_TOTAL and lesson.model_total(1e6, 10) == 256 << 30
+    assert lesson.model_total(100, 1.0) % (64 << 10) == 0
+    with pytest.raises(fi.UsageError, match="positive"):
+        lesson.model_total(float("nan"), 1.0)
