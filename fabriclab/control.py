@@ -39,6 +39,10 @@ READS = 4 * RECEIVES       # messages one progress call reads at most: a flood n
 SENDS = 64                 # control messages that can be on their way at once
 NO_LANE = 0xFFFF
 TEXT_CHARS = 400           # of a REFUSED's reason, at most (it ends up in the writer's exception)
+# The protocol's timing, which writers and targets both keep to:
+HEARTBEAT_S = 0.25  # a writer names its running transfers to each target this often
+SILENT_S = 3.0      # a writer not heard from this long is gone: its requests and lanes are dropped
+STALL_S = 2.0       # a landing thread that did not run this long may have lost its lanes (< SILENT_S - HEARTBEAT_S)
 
 REQUEST, GRANT, FILLED, RELEASE, COPIED, REFUSED, ALIVE = range(1, 8)
 HEAD = struct.Struct("<BQQ")           # kind, sender's engine id, the writer's job
