@@ -52,7 +52,7 @@ def view_of(obj: Any) -> HostView | CudaView:
         view = memoryview(obj)
     except TypeError:
         if hasattr(obj, "__dlpack__"):
-            view = memoryview(np.from_dlpack(obj))  # a host DLPack tensor
+            view = np.from_dlpack(obj).data  # a host DLPack tensor
         else:
             raise fi.UsageError(f"cannot register {type(obj).__name__}: it has no buffer protocol, "
                                 "__cuda_array_interface__ or __dlpack__") from None

@@ -145,9 +145,8 @@ class Region:
     def __enter__(self) -> Region:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-        return False
 
     def __repr__(self) -> str:
         flags = (" read-only" if self.readonly else "") + (" closed" if self.closed else "")
@@ -198,7 +197,7 @@ class Peer:
         self.engine, self.id, self.nics = engine, engine_id, n
         #: how writes reach this peer, in words: "the NICs", or shared memory where the provider takes a
         #: same-host detour
-        self.transport = same_host_path(service.nics.provider, host == host_identity())
+        self.transport = same_host_path(service.provider, host == host_identity())
         # our NIC i talks to the peer's NIC i (modulo its count): the peer's key for it is keys[i % n]
         self.remote_slot = [i % n for i in range(len(service.nics.slots))]
         self.fi_addrs: list[int] = []
@@ -310,9 +309,9 @@ class Peer:
         most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
         src, dst, runs = coalesce_pages(src, dst, most)
         lengths = runs * np.uint64(page_size)
-        if lengths.min() == lengths.max():  # one length for every write (a permuted list: one page each)
-            lengths = int(lengths[0])
-        return service.submit(self, local_region, remote, src, dst, page_size, lengths, imm, timeout,
+        # one length for every write (a permuted list: one page each) goes as one number
+        uniform = int(lengths[0]) if lengths.min() == lengths.max() else lengths
+        return service.submit(self, local_region, remote, src, dst, page_size, uniform, imm, timeout,
                               pages=int(runs.sum()))
 
     def close(self) -> None:
@@ -443,25 +442,26 @@ class Engine:
         """The descriptor of a staged target: the landing lanes' bases and keys, a lane's size, and the
         control endpoint. Opens the lanes (and the landing thread) at the first staged target."""
         service = self._service
-        landing_ = service.start_landing()
+        lander = service.start_landing()
         with service.lock:
             if self._lanes_region is None:
-                lanes, pool_bytes = landing.max_lanes(*service.staging_sizes)
+                _, pool_bytes = landing.max_lanes(*service.staging_sizes)
                 pool = staging.PinnedPool(pool_bytes, service.staging_sizes[1], pinned=region.kind == "cuda")
                 try:
                     self._lanes_region = Region(self, pool.array)
                 except BaseException:
                     pool.close()
                     raise
-                landing_.target.open_lanes(pool)
-        landing_.target.add_region(landing.TargetRegion(region.id, region.kind, region.pointer, region.length,
+                lander.target.open_lanes(pool)
+        lander.target.add_region(landing.TargetRegion(region.id, region.kind, region.pointer, region.length,
                                                         region._state, region._landing_key))
-        lanes = self._lanes_region
-        assert landing_.pool is not None
-        return encode_landing(self.id, region.id, region.length,
-                              PeerRegion(self.id, lanes.id, lanes.length, tuple(lanes.bases), tuple(lanes.keys)),
-                              landing_.pool.chunk_bytes, landing_.channel.message_bytes, region._landing_key,
-                              landing_.address)
+        lanes_region, lanes_pool = self._lanes_region, lander.pool
+        assert lanes_region is not None and lanes_pool is not None  # opened above
+        lanes = PeerRegion(self.id, lanes_region.id, lanes_region.length, tuple(lanes_region.bases),
+                           tuple(lanes_region.keys))
+        return encode_landing(self.id, region.id, region.length, lanes,
+                              lanes_pool.chunk_bytes, lander.channel.message_bytes, region._landing_key,
+                              lander.address)
 
     def connect(self, address: bytes) -> Peer:
         """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world. Paths to
@@ -523,9 +523,8 @@ class Engine:
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc: object) -> bool:
+    def __exit__(self, *exc: object) -> None:
         self.close()
-        return False
 
     def __repr__(self) -> str:
         service = self._service

@@ -14,7 +14,8 @@ import numpy as np
 
 from . import _native, control, fi, gpu, staging
 from .control import NO_LANE, BadMessage
-from .lanecopy import CudaCopier, HostCopier, checked_copies
+from .completions import RegionState
+from .lanecopy import Copies, CudaCopier, HostCopier, checked_copies
 
 
 
@@ -27,7 +28,7 @@ class TargetRegion:
     kind: str      # "cuda" or "host": which copier
     pointer: int
     length: int
-    state: object  # engine._RegionState
+    state: RegionState  # the engine's
     key: int = 0
 
 
@@ -41,7 +42,7 @@ class _Client:
     region_id: int
     wanted: int
     heard: float
-    lanes: set = field(default_factory=set)
+    lanes: set[int] = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -52,8 +53,8 @@ class _Lane:
     region: TargetRegion | None = None
     imm: int = 0
     pages: int = 0
-    copies: tuple | None = None  # FILLED's pages as checked_copies, once filled
-    copier: object = None        # copying with it, once the pages have arrived
+    copies: Copies | None = None  # FILLED's pages as checked_copies, once filled
+    copier: HostCopier | CudaCopier | None = None  # copying with it, once the pages have arrived
     holds_count: bool = False    # holds imm's place in the engine's count until the lane is free
 
 
@@ -71,7 +72,7 @@ class LandingTarget:
         self.clients: dict[tuple[int, int], _Client] = {}
         self.requests: collections.deque[_Client] = collections.deque()  # waiting for lanes, in order
         self.regions: dict[int, TargetRegion] = {}
-        self.copiers: dict[str, Any] = {}
+        self.copiers: dict[str, HostCopier | CudaCopier] = {}
         self.landed_bytes = self.landed_lanes = 0
         self.last_sweep = time.monotonic()
 
@@ -106,7 +107,7 @@ class LandingTarget:
             self._drop(client)
 
     def copy_seconds(self) -> float:
-        return sum(c.seconds for c in self.copiers.values())
+        return float(sum(c.seconds for c in self.copiers.values()))
 
     def close(self) -> None:
         for copier in self.copiers.values():
@@ -177,6 +178,7 @@ class LandingTarget:
                 raise BadMessage(f"FILLED names region {region_id}, but lane {number} was granted for region "
                                  f"{client.region_id}")
             if region is not None:
+                assert self.pool is not None  # a lane was leased: the lanes are open
                 lane.copies = checked_copies(entries, region, self.pool.chunk_bytes)
         except BadMessage as exc:
             self._drop(client, ("invalid", f"lane {number}'s FILLED is not allowed: {exc}"))
@@ -203,6 +205,7 @@ class LandingTarget:
         """Back to the pool; arrivals of its writes counted and not taken are dropped. The owner's transfer
         ends once it holds no lane and waits for none."""
         client = lane.owner
+        assert client is not None  # only a leased lane goes back
         self.native.drain_lane(lane.number)
         if lane.holds_count:
             self.native.release_immediates(lane.imm)
@@ -230,7 +233,7 @@ class LandingTarget:
                 self._free_lane(self.lanes[number])
         self._forget(client)
 
-    def _copier(self, kind: str):
+    def _copier(self, kind: str) -> HostCopier | CudaCopier:
         copier = self.copiers.get(kind)
         if copier is None:
             copier = self.copiers[kind] = CudaCopier(len(self.lanes)) if kind == "cuda" else HostCopier()
@@ -260,13 +263,14 @@ class LandingTarget:
         return busy
 
     def _start_copy(self, lane: _Lane) -> None:
-        region = lane.region
+        owner, region, copies, pool = lane.owner, lane.region, lane.copies, self.pool
+        assert owner is not None and region is not None and copies is not None and pool is not None  # filled
         if region.state.closed:
-            self._drop(lane.owner, ("closed", f"region {region.region_id} was closed while the transfer landed"))
+            self._drop(owner, ("closed", f"region {region.region_id} was closed while the transfer landed"))
             return
         why = self._hold_count(lane)
         if why:
-            self._drop(lane.owner, ("engine", why))
+            self._drop(owner, ("engine", why))
             return
         try:
             copier = self._copier(region.kind)
@@ -274,13 +278,12 @@ class LandingTarget:
                 staging.pointer_device(region.pointer, region.length)  # freed by its owner?
             region.state.in_use += 1
             try:
-                copier.start(lane.number, self.pool.pointer + lane.number * self.pool.chunk_bytes, region.pointer,
-                             lane.copies)
+                copier.start(lane.number, pool.pointer + lane.number * pool.chunk_bytes, region.pointer, copies)
             except BaseException:
                 region.state.in_use -= 1
                 raise
         except gpu.CudaError as exc:
-            self._drop(lane.owner, ("cuda", f"the target could not copy to its GPU memory: {exc}"))
+            self._drop(owner, ("cuda", f"the target could not copy to its GPU memory: {exc}"))
             return
         lane.copier = copier
 
@@ -296,21 +299,22 @@ class LandingTarget:
             f"({self.native.immediates_usage()['most']}), each awaited by an expect() or holding pages nobody took")
 
     def _finish_copy(self, lane: _Lane) -> bool:
+        owner, region, copies, copier, number = lane.owner, lane.region, lane.copies, lane.copier, lane.number
+        assert owner is not None and region is not None and copies is not None and copier is not None  # copying
         try:
-            if not lane.copier.finished(lane.number):
+            if not copier.finished(number):
                 return False
         except gpu.CudaError as exc:
-            lane.region.state.in_use -= 1
+            region.state.in_use -= 1
             lane.copier = None  # done with it: the lane goes back with the others
-            self._drop(lane.owner, ("cuda", f"the target could not copy to its GPU memory: {exc}"))
+            self._drop(owner, ("cuda", f"the target could not copy to its GPU memory: {exc}"))
             return True
         if lane.holds_count:  # its place is held: this counts (or, past FL_IMM_MAX_COUNT, marks imm lost)
             self.native.credit_immediates(lane.imm, lane.pages)
-        lane.region.state.in_use -= 1
+        region.state.in_use -= 1
         self.native.wake()
-        self.landed_bytes += int(lane.copies[2].sum())
+        self.landed_bytes += int(copies[2].sum())
         self.landed_lanes += 1
-        owner, number = lane.owner, lane.number
         self._free_lane(lane)
         self._reply(owner, control.COPIED, control.LANE.pack(number))
         return True

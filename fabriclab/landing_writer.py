@@ -14,6 +14,7 @@ import numpy as np
 
 from . import _native, control, fi
 from .control import BadMessage
+from .transfer import Transfer
 
 ENDED_JOBS = 4096   # finished jobs a writer remembers, to give back lanes granted to them late
 
@@ -35,18 +36,18 @@ class LandingJob:
     lengths: np.ndarray
     imm: int
     deadline: float
-    post: object
-    done: object
-    settle: object
+    post: Callable[[np.ndarray, np.ndarray, np.ndarray, int, float], Transfer]
+    done: Callable[[BaseException | None, bool], None]
+    settle: Callable[[bool], None]
     region_key: int = 0
     target_id: int = 0
     lanes: int = 0
     target: int = -1        # the target's control fi_addr
     number: int = 0
-    splits: collections.deque = field(default_factory=collections.deque)  # (first, end) writes per lane
-    in_flight: dict = field(default_factory=dict)  # lane -> [first, end, Transfer, filled]
-    posted: list = field(default_factory=list)     # every Transfer it posted (for buffer safety)
-    error: BaseException | None = None
+    splits: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)  # writes per lane
+    in_flight: dict[int, list[Any]] = field(default_factory=dict)  # lane -> [first, end, Transfer, filled]
+    posted: list[Transfer] = field(default_factory=list)  # every Transfer it posted (for buffer safety)
+    error: BaseException | bool | None = None  # False once resolved
     safe_said: bool = False
 
     def split(self) -> None:
@@ -76,7 +77,7 @@ class LandingWriter:
         self.channel, self.engine_id, self._count_peer, self.failure_type = channel, engine_id, count_peer, failure_type
         self.jobs: dict[int, LandingJob] = {}
         self.unsafe: list[LandingJob] = []  # failed jobs whose writes the provider has not all reported
-        self.releasing: list[tuple[int, int, int, Any]] = []  # (target, job, lane, Transfer) once safe
+        self.releasing: list[tuple[int, int, int, Transfer]] = []  # (target, job, lane, Transfer) once safe
         self.ended: collections.OrderedDict[int, int] = collections.OrderedDict()  # job -> target
         self.last_heartbeat = time.monotonic()
 

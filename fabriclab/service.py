@@ -65,7 +65,7 @@ def open_nics(config: EngineConfig) -> tuple[NicSet, Layout, Any]:
     domains = None if config.domains is None else list(config.domains)
     nics = NicSet(config.provider, config.nics, domains, memory_kind)
     try:
-        topology = discover_topology(nics.provider)
+        topology = discover_topology(str(nics.provider))
         real = [s.domain_name for s in nics.slots if not s.emulated]
         layout = default_layout(nics.real_nics, topology_groups_holding(real, topology), len(os.sched_getaffinity(0)))
         wanted = max(layout.nics, config.threads or 0)
@@ -91,7 +91,7 @@ class Service:
         self._closed_by_reaper = False
         self.final_stats: dict[str, Any] | None = None
         self.nics, self.layout, topology = open_nics(config)
-        self.provider, self.emulated = self.nics.provider, self.nics.emulated
+        self.provider, self.emulated = str(self.nics.provider), self.nics.emulated
         try:
             self.native = _native.NativeEngine(self.nics)
             self.book = Completions(self.native, self.lock, self.link_timeout)
@@ -193,7 +193,7 @@ class Service:
         immediate data can count (MAX_PAGES_PER_WRITE)."""
         every_nic = pages // len(self.nics.slots)
         largest = min(DEFAULT_STRIPE, self.max_msg_size) // page_size
-        return max(1, min(every_nic, largest, _native.MAX_PAGES_PER_WRITE))
+        return max(1, min(every_nic, largest, int(_native.MAX_PAGES_PER_WRITE)))
 
     def submit(self, peer: Peer, region: Region, remote: PeerRegion, src: np.ndarray, dst: np.ndarray, stride: int,
                lengths: np.ndarray | int, imm: int | None, timeout: float | None,
@@ -232,7 +232,7 @@ class Service:
         """:meth:`submit` of a region registered with the NICs, its input checked: ``imm`` as it goes on the
         wire (NO_IMM, a caller's value, or a landing lane's)."""
         n = src.size
-        nbytes = n * int(lengths) if np.isscalar(lengths) else int(np.sum(lengths))
+        nbytes = n * lengths if isinstance(lengths, int) else int(lengths.sum())
         deadline = time.monotonic() + timeout
         transfer = Transfer(n, nbytes, deadline, Safety(self.timeout), pages)
         routes = peer._routes_to(region, remote)

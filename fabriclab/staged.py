@@ -81,8 +81,8 @@ def submit_staged(service: Service, peer: Peer, region: Region, remote: PeerRegi
     stager.check_fits(int(sizes.max()))
     deadline = time.monotonic() + timeout
     transfer = Transfer(src.size, int(sizes.sum()), deadline, Safety(service.timeout))
-    pool_region, state = region.engine._pool_region, region._state
-    assert pool_region is not None
+    pool_region, state, device = region.engine._pool_region, region._state, region.device
+    assert pool_region is not None and device is not None  # a staged region is GPU memory, the pool registered
     with service.lock:
         state.in_use += 1
 
@@ -91,7 +91,7 @@ def submit_staged(service: Service, peer: Peer, region: Region, remote: PeerRegi
         return service.post(peer, pool_region, remote, pool_src, pool_dst, 1, pool_lengths, imm,
                             max(deadline - time.monotonic(), 1e-3))
 
-    stager.submit(staging.StagedJob(region.pointer, region.length, region.device, src, dst, sizes, deadline, send,
+    stager.submit(staging.StagedJob(region.pointer, region.length, device, src, dst, sizes, deadline, send,
                                     _finisher(service, transfer, state, settle_unsafe=True),
                                     lambda: not state.closed))
     return transfer

@@ -115,10 +115,10 @@ class AwaitableFuture(concurrent.futures.Future):  # type: ignore[type-arg]
         return asyncio.wrap_future(self).__await__()
 
 
-def _wait_limit(timeout: object) -> float | None:
+def _wait_limit(timeout: Any) -> float | None:
     if timeout is None or isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and timeout == math.inf:
         return None
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not float(timeout) >= 0:
         raise fi.UsageError(f"timeout must be None (wait until done), 0 (poll) or seconds to wait, got {timeout!r}")
     return float(timeout)
 
