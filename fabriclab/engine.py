@@ -497,11 +497,11 @@ class Engine:
         ``"unreported"``: writes given up on that the provider has not reported yet, ``"retried"``: writes
         posted once more after failing right after a revival, ``"renewals"``: fresh endpoints; ``"down"``:
         why paths were last marked down) and what is in flight; "layout": the NIC slots and threads and
-        whether defaults chose them, the worker group of each slot, and ``config``'s values ("config"); "submitted": transfers, pages asked
-        for and the writes they became (contiguous pages coalesced); "immediates": the count behind
-        :meth:`expect` (values holding a place now, the most that may, arrivals not counted because it was
-        full, values of those not yet reported by an expect(), the last such value). After ``close()``, the last
-        snapshot, with ``closed: True``."""
+        whether defaults chose them, the worker group of each slot, and ``config``'s values ("config");
+        "submitted": transfers, pages asked for and the writes they became (contiguous pages coalesced);
+        "immediates": the count behind :meth:`expect` (values holding a place now, the most that may, arrivals
+        not counted because it was full, values of those not yet reported by an expect(), the last such value).
+        After ``close()``, the last snapshot, with ``closed: True``."""
         return self._service.stats()
 
     def close(self) -> None:

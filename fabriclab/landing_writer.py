@@ -185,9 +185,9 @@ class LandingWriter:
                                 "gone or stalled, or its landing lanes all taken?)", "timeout")
                 continue
             if now - self.channel.stuck.get(job.target, now) > control.STALL_S and _writing(job):
-                self._fail(job, f"no control message reached the target for {control.STALL_S:g} s: it may have taken this "
-                                "writer for gone and given its landing lanes to others, so the transfer stops rather "
-                                "than write into them", "peer")
+                self._fail(job, f"no control message reached the target for {control.STALL_S:g} s: it may have taken "
+                                "this writer for gone and given its landing lanes to others, so the transfer stops "
+                                "rather than write into them", "peer")
                 continue
             for lane, entry in list(job.in_flight.items()):
                 first, end, sent, filled = entry
