@@ -7,10 +7,13 @@ from the ones below it (``tests/test_layers.py`` holds it to that):
   process that are each other's peers may close);
 * the library core: ``nics`` (NIC sets, worker placement), ``_native`` (the C engine's wrapper),
   ``memory``, ``gpu``, ``staging`` (GPU memory through pinned host memory), ``landing`` (staged GPU
-  targets: landing lanes), ``control`` (their control channel and its messages, checked), ``lanecopy``
-  (copying landed lanes into place), ``topology``, ``recorded`` (recorded runs shipped as data), ``shmclean``,
-  ``cli`` (command-line plumbing), ``measure`` (the one Gbps formula and the one verdict on interleaved runs),
-  ``engine`` (``Engine``) and ``bootstrap`` (exchanging descriptors);
+  targets: landing lanes; its halves ``landing_target`` and ``landing_writer``), ``control`` (their control
+  channel and its messages, checked), ``lanecopy`` (copying landed lanes into place), ``topology``,
+  ``recorded`` (recorded runs shipped as data), ``shmclean``, ``cli`` (command-line plumbing), ``measure`` (the
+  one Gbps formula and the one verdict on interleaved runs), ``engine`` (``Engine``, ``Region``, ``Peer``: the
+  public front) over its private machinery (``config``, ``errors``, ``transfer``, ``wire``, ``buffers``,
+  ``pages``, ``service`` with ``completions``, ``renewal`` and ``staged``), and ``bootstrap`` (exchanging
+  descriptors);
 * the course's stages, chapter by chapter, each importing the one before: ``unidirectional``,
   ``bidirectional``, ``rdma_write``, ``opqueue``, ``multi_nic``, ``threaded``, ``batched``;
 * ``course`` (the notebooks' tooling) and ``tools`` (``bench``, ``testbed``, ``peers``, ``apidoc``).
@@ -18,7 +21,7 @@ from the ones below it (``tests/test_layers.py`` holds it to that):
 import importlib
 
 __version__ = "0.1.0"
-_PUBLIC = ("Engine", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError", "TransferError",
+_PUBLIC = ("Engine", "EngineConfig", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError", "TransferError",
            "PeerLost", "WriteRejected", "TransferTimeout", "RegionClosed", "InvalidDescriptor", "OutOfRange",
            "StagingFailed")
 __all__ = list(_PUBLIC)

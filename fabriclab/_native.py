@@ -8,12 +8,16 @@ cffi struct or ``lib`` itself: this module is the one place that knows the nativ
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import fi, memory
 from ._fabric import ffi, lib
 from .nics import NicSet
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 RING_CAPACITY = 4096  # pending writes per NIC (fl_nic.ring)
 MAX_NICS, MAX_THREADS = lib.FL_MAX_NICS, lib.FL_MAX_THREADS
@@ -202,19 +206,20 @@ class NativeEngine:
         if rc:
             raise fi.FabricError("fl_imm_attach", rc)
 
-    def start_service(self, threads: int, batch: int, fi_more: bool, timeout: float, link_timeout: float,
-                      cores: list[int], groups: list[int]) -> None:
+    def start_service(self, config: EngineConfig, threads: int, cores: list[int], groups: list[int]) -> None:
         """Start ``threads`` worker threads (NIC slot i belongs to worker ``groups[i]``), each pinned to
-        ``cores[t]`` when cores are given. They post lazily, ``batch`` writes from their inbox per NIC per
-        pass; ``link_timeout`` seconds without a completion on a NIC with writes in flight marks the paths of
-        those writes down (0: never). Attach the transfers first."""
+        ``cores[t]`` when cores are given. They post lazily, ``config.batch`` writes from their inbox per NIC
+        per pass; ``config.link_timeout_s`` seconds without a completion on a NIC with writes in flight marks
+        the paths of those writes down (0: never). Attach the transfers first. The one place an EngineConfig
+        becomes the C engine's fl_config."""
         for slot in self.nics.slots:
             self._ptr.nics[slot.index].group = groups[slot.index]
         cfg = ffi.new("fl_config *")
         # groups: the service drives no write run, so each worker is its own group
-        cfg.threads, cfg.groups, cfg.batch, cfg.lazy, cfg.fi_more = threads, threads, batch, 1, int(fi_more)
-        cfg.timeout_s = timeout
-        cfg.link_timeout_s = link_timeout
+        cfg.threads, cfg.groups, cfg.batch, cfg.lazy = threads, threads, config.batch, 1
+        cfg.fi_more = int(config.fi_more)
+        cfg.timeout_s = config.timeout
+        cfg.link_timeout_s = config.link_timeout_s
         cfg.pin = int(bool(cores))
         for i, core in enumerate(cores):
             cfg.cores[i] = core

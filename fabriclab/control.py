@@ -28,6 +28,7 @@ import os
 import struct
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -39,6 +40,10 @@ READS = 4 * RECEIVES       # messages one progress call reads at most: a flood n
 SENDS = 64                 # control messages that can be on their way at once
 NO_LANE = 0xFFFF
 TEXT_CHARS = 400           # of a REFUSED's reason, at most (it ends up in the writer's exception)
+# The protocol's timing, which writers and targets both keep to:
+HEARTBEAT_S = 0.25  # a writer names its running transfers to each target this often
+SILENT_S = 3.0      # a writer not heard from this long is gone: its requests and lanes are dropped
+STALL_S = 2.0       # a landing thread that did not run this long may have lost its lanes (< SILENT_S - HEARTBEAT_S)
 
 REQUEST, GRANT, FILLED, RELEASE, COPIED, REFUSED, ALIVE = range(1, 8)
 HEAD = struct.Struct("<BQQ")           # kind, sender's engine id, the writer's job
@@ -63,7 +68,7 @@ class BadMessage(fi.FabriclabError):
 # ----------------------------------------------------------------------------------- reading
 
 
-def read(message: bytes) -> tuple[int, int, int, tuple]:
+def read(message: bytes) -> tuple[int, int, int, tuple[Any, ...]]:
     """(kind, sender's engine id, job, the kind's fields) of a control message, its shape checked."""
     if len(message) < HEAD.size:
         raise BadMessage(f"{len(message)} bytes, shorter than any control message ({HEAD.size})")
@@ -78,7 +83,7 @@ def read(message: bytes) -> tuple[int, int, int, tuple]:
     return kind, sender, job, reader(message[HEAD.size:])
 
 
-def _request(body: bytes) -> tuple:
+def _request(body: bytes) -> tuple[Any, ...]:
     if len(body) < REQUEST_BODY.size:
         raise BadMessage(f"REQUEST of {len(body)} bytes is truncated")
     region_id, key, wanted, size = REQUEST_BODY.unpack_from(body)
@@ -89,7 +94,7 @@ def _request(body: bytes) -> tuple:
     return region_id, key, wanted, body[REQUEST_BODY.size:]
 
 
-def _grant(body: bytes) -> tuple:
+def _grant(body: bytes) -> tuple[Any, ...]:
     if not body or len(body) % LANE.size:
         raise BadMessage(f"GRANT of {len(body)} bytes is not a list of lanes")
     lanes = [int(lane) for lane in np.frombuffer(body, "<u2")]
@@ -98,7 +103,7 @@ def _grant(body: bytes) -> tuple:
     return (lanes,)
 
 
-def _filled(body: bytes) -> tuple:
+def _filled(body: bytes) -> tuple[Any, ...]:
     if len(body) < FILLED_BODY.size:
         raise BadMessage(f"FILLED of {len(body)} bytes is truncated")
     region_id, lane, imm, pages = FILLED_BODY.unpack_from(body)
@@ -115,13 +120,13 @@ def _filled(body: bytes) -> tuple:
     return region_id, lane, imm, entries
 
 
-def _lane(body: bytes) -> tuple:
+def _lane(body: bytes) -> tuple[Any, ...]:
     if len(body) != LANE.size:
         raise BadMessage(f"a lane's message of {len(body)} bytes, not {LANE.size}")
     return LANE.unpack(body)
 
 
-def _refused(body: bytes) -> tuple:
+def _refused(body: bytes) -> tuple[Any, ...]:
     if len(body) < REFUSED_BODY.size:
         raise BadMessage(f"REFUSED of {len(body)} bytes is truncated")
     lane, why = REFUSED_BODY.unpack_from(body)
@@ -130,7 +135,7 @@ def _refused(body: bytes) -> tuple:
     return lane, WHY[why], body[REFUSED_BODY.size:].decode(errors="replace")[:TEXT_CHARS]
 
 
-def _alive(body: bytes) -> tuple:
+def _alive(body: bytes) -> tuple[Any, ...]:
     if not body or len(body) % JOB.size:
         raise BadMessage(f"ALIVE of {len(body)} bytes is not a list of jobs")
     return ([int(job) for job in np.frombuffer(body, "<u8")],)
@@ -153,7 +158,7 @@ class Rejected:
 
     SENDERS = 256  # senders counted apart at most
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.total = 0
         self.by_sender: dict[str, int] = {}
 
@@ -242,7 +247,7 @@ class ControlChannel:
         with self.lock:
             failed, self.failed = self.failed, []
         failed += [dest for dest in list(self.outbox) if not self._post(dest)]
-        received = []
+        received: list[bytes] = []
         while len(received) < READS:
             try:
                 completions = self.stack.cq.poll()
@@ -305,9 +310,10 @@ class ControlChannel:
         next ``progress``, its thread is left at idle priority, and another thread may serve the channel;
         the one in the call raises Superseded if the call ever returns."""
         with self.lock:
-            if not self.wedged():
+            calling = self.calling
+            if calling is None or not self.wedged():
                 return False
-            _, dest, _, thread = self.calling
+            _, dest, _, thread = calling
             self.generation += 1
             self.calling = None
             self.forget(dest)  # its thread is stuck, the next one not started: no one else uses the outbox

@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import ctypes
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import gpu, staging
 from .control import BadMessage
 
+if TYPE_CHECKING:
+    from .landing_target import TargetRegion
 
-def lane_copies(entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+Copies = tuple[np.ndarray, np.ndarray, np.ndarray]  # a lane's copies: (lane offset, destination, length) each
+
+
+def lane_copies(entries: np.ndarray) -> Copies:
     """A lane's pages (packed one after another in the lane, FILLED's (destination, length) entries) as
     copies (lane offset, destination, length), neighbouring pages joined (staging.copy_runs)."""
     lengths = entries["length"].astype(np.int64)
@@ -20,7 +26,7 @@ def lane_copies(entries: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return staging.copy_runs(in_lane, entries["dst"].astype(np.int64), lengths)
 
 
-def checked_copies(entries: np.ndarray, region, lane_bytes: int) -> tuple:
+def checked_copies(entries: np.ndarray, region: TargetRegion, lane_bytes: int) -> Copies:
     """:func:`lane_copies` of FILLED's pages once each is checked, as the unsigned numbers they are on the
     wire, to lie inside ``region`` (a landing.TargetRegion) and, packed, inside the lane: the copiers add
     these offsets and nothing else. BadMessage names the first page that does not."""
@@ -40,10 +46,10 @@ class HostCopier:
     """Copies landed pages with memmove: host-memory staged targets (a private switch the tests use to run
     the whole protocol without a GPU; see Engine._register_staged_host)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seconds = 0.0
 
-    def start(self, lane: int, source: int, destination: int, copies: tuple) -> None:
+    def start(self, lane: int, source: int, destination: int, copies: Copies) -> None:
         """Copy ``copies`` (checked_copies: offsets inside the lane and the region) from the lane at
         ``source`` to the region at ``destination``."""
         started = time.perf_counter()
@@ -62,7 +68,7 @@ class CudaCopier:
     """Copies landed pages host → GPU with cuMemcpyHtoDAsync, one CUDA stream per lane modulo
     staging.COPY_STREAMS, an event per lane saying when its copies are done."""
 
-    def __init__(self, lanes: int):
+    def __init__(self, lanes: int) -> None:
         d = self.driver = gpu.require_cuda()
         self.context = gpu._ok(d.cuDevicePrimaryCtxRetain(gpu._ok(d.cuDeviceGet(0), "cuDeviceGet")),
                                "cuDevicePrimaryCtxRetain")
@@ -72,7 +78,7 @@ class CudaCopier:
         self.copied = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]
         self.seconds = 0.0
 
-    def start(self, lane: int, source: int, destination: int, copies: tuple) -> None:
+    def start(self, lane: int, source: int, destination: int, copies: Copies) -> None:
         """As HostCopier.start, on the lane's stream: ``copies`` are checked_copies' offsets, nothing else."""
         d = self.driver
         d.cuCtxSetCurrent(self.context)

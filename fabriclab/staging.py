@@ -18,11 +18,16 @@ import ctypes
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import fi, gpu, memory
+
+if TYPE_CHECKING:
+    from .transfer import Transfer
 
 DEFAULT_STAGING_BYTES = 64 << 20  # the pinned pool of one engine: what staged writes may hold at once
 DEFAULT_CHUNK_BYTES = 4 << 20     # one copy + one batch of writes; the pool holds pool // chunk of them
@@ -75,7 +80,7 @@ class _DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-def dlpack_cuda(obj):
+def dlpack_cuda(obj: Any) -> tuple[int, int, int, Any] | None:
     """(pointer, length, device, keepalive) of a CUDA DLPack tensor or capsule; None when it lives on the
     host (numpy reads those). The capsule is kept, never consumed: its owner still frees the memory."""
     capsule = obj
@@ -133,7 +138,10 @@ class PinnedPool:
     def __init__(self, pool_bytes: int, chunk_bytes: int, pinned: bool = True):
         self.chunks, self.length = pool_layout(pool_bytes, chunk_bytes)
         self.chunk_bytes = chunk_bytes
-        self.driver = self.context = self._host = None
+        self.driver: Any = None  # the CUDA driver (gpu.require_cuda), for pinned memory
+        self.context: Any = None
+        self._host: memory.HostBuffer | None = None
+        self.array: np.ndarray | None
         if not pinned:
             self._host = memory.HostBuffer(self.length)
             self.pointer, self.array = self._host.pointer, self._host.array
@@ -184,11 +192,11 @@ class StagedJob:
     dst: np.ndarray
     lengths: np.ndarray
     deadline: float
-    send: object
-    done: object
-    is_open: object
+    send: Callable[[np.ndarray, np.ndarray, np.ndarray], Transfer]
+    done: Callable[[BaseException | None, bool], None]
+    is_open: Callable[[], bool]
     next_write: int = 0
-    error: BaseException | None = None
+    error: BaseException | bool | None = None  # False once resolved
 
 
 @dataclass(eq=False)
@@ -198,14 +206,20 @@ class _Chunk:
     src: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     dst: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
     lengths: np.ndarray = field(default_factory=lambda: np.empty(0, np.uint64))
-    sent: object = None  # the engine's Transfer of its writes, once the copy finished
+    sent: Transfer | None = None  # the engine's Transfer of its writes, once the copy finished
+
+
+def _sent(chunk: _Chunk) -> Transfer:
+    """The writes of a chunk being sent (or lost): their Transfer, which every such chunk has."""
+    assert chunk.sent is not None
+    return chunk.sent
 
 
 class Stager:
     """The staging thread of one engine: copies chunks GPU → pool on CUDA streams and hands each to the
     engine as soon as its copy is done, keeping copies and writes in flight at once."""
 
-    def __init__(self, pool: PinnedPool, failure_type):
+    def __init__(self, pool: PinnedPool, failure_type: Callable[..., BaseException]) -> None:
         self.pool = pool
         self.failure_type = failure_type  # (message, buffer_safe, why) -> the caller's exception; why: FAILURES
         d = pool.driver
@@ -225,7 +239,7 @@ class Stager:
         self.thread = threading.Thread(target=self._run, name="fabriclab-stager", daemon=True)
         self.thread.start()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"pool_bytes": self.pool.length, "chunk_bytes": self.pool.chunk_bytes, "allocated": True,
                 "staged_bytes": self.staged_bytes,
                 "staged_chunks": self.staged_chunks, "copy_seconds": round(self.copy_seconds, 6),
@@ -383,12 +397,12 @@ class Stager:
         reclaimed = False
         still = []
         for chunk in self.lost:
-            if chunk.sent._safety.safe:
+            if _sent(chunk)._safety.safe:
                 self.free.append(chunk.slot)
                 reclaimed = True
-        self.lost = [c for c in self.lost if not c.sent._safety.safe]
+        self.lost = [c for c in self.lost if not _sent(c)._safety.safe]
         for chunk in self.sending:
-            sent = chunk.sent
+            sent = _sent(chunk)
             if not sent.done():
                 still.append(chunk)
                 continue
@@ -408,7 +422,7 @@ class Stager:
     def _finish_if_done(self, job: StagedJob) -> None:
         if job.error is not None or job.next_write < job.src.size:
             return
-        if any(c.job is job for c in self.copying) or any(c.job is job and not c.sent.done() for c in self.sending):
+        if any(c.job is job for c in self.copying) or any(c.job is job and not _sent(c).done() for c in self.sending):
             return
         job.error = False  # resolved: no second resolution
         job.done(None, True)

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from fabriclab import Engine, TransferError, engine as engine_module
+from fabriclab import Engine, TransferError, service as engine_module
 from helpers import PeerProcess
 
 MiB = 1 << 20

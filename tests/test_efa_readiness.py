@@ -103,7 +103,7 @@ def test_the_library_says_which_path_a_peer_takes(fabric):
     with Engine(fabric[0], domains=fabric[1], pin=False) as a, Engine(fabric[0], domains=fabric[1], pin=False) as b:
         peer = a.connect(b.address)
         want = "shared memory (the shm provider)" if fabric[0] == "shm" else "the NICs"
-        assert peer.path == want and want in repr(peer)
+        assert peer.transport == want and want in repr(peer)
 
 
 def test_efa_peers_on_one_host_take_shared_memory_unless_switched_off(monkeypatch):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fabriclab import Engine, UsageError
-from fabriclab import engine as engine_module
+from fabriclab import service as engine_module
 
 PAGE = 4096
 # The soak's distinct values: 10**5 in the suite; FABRICLAB_SOAK_VALUES=1000000 for the full soak.

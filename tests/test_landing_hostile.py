@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fabriclab import TransferError, bootstrap, control
-from fabriclab.engine import RemoteRegion, _seal, _unseal
+from fabriclab.wire import decode_region, seal as _seal, unseal as _unseal
 from helpers import LINE_TIMEOUT, Child, PeerProcess, python
 from test_staging import PAGE, WRITER, staged_target, writer_engine
 
@@ -24,7 +24,7 @@ def tamper_filled(engine, rewrite):
     """Rewrite every FILLED ``engine`` sends as a writer: ``rewrite(region_id, lane, imm, entries)`` gives
     them back changed. All else stays real: the engine's writes, its control endpoint, the target's answers."""
     lander = engine._service.start_landing()
-    send = lander._to_target
+    send = lander.writer._to_target
 
     def forged(job, kind, body):
         if kind == control.FILLED:
@@ -34,7 +34,7 @@ def tamper_filled(engine, rewrite):
             body = control.FILLED_BODY.pack(region_id, lane, imm, entries.size) + entries.tobytes()
         send(job, kind, body)
 
-    lander._to_target = forged
+    lander.writer._to_target = forged
 
 
 def destination(dst):
@@ -105,7 +105,7 @@ def test_a_writer_lands_only_in_the_region_its_descriptor_names(fabric):
         with pytest.raises(TransferError):
             honest_write(forger, descriptor, target.address, 9, [0, 1], imm=3)
         forged = another_regions_descriptor(descriptor, secret.id)
-        assert RemoteRegion.parse(forged).region_id == secret.id
+        assert decode_region(forged).region_id == secret.id
         with pytest.raises(TransferError):
             honest_write(writer, forged, target.address, 7, [0, 1], imm=3, timeout=5)
         assert not np.any(other) and not np.any(given)
@@ -115,7 +115,7 @@ def test_a_writer_lands_only_in_the_region_its_descriptor_names(fabric):
 
 def forging_peer(fabric, descriptor, rate, *mode):
     """tests/forging_peer.py sending to the staged target of ``descriptor``, once its endpoint is open."""
-    address = RemoteRegion.parse(descriptor).landing.address
+    address = decode_region(descriptor).landing.address
     forger = Child(python(FORGER, fabric[0], fabric[1] or "-", address.hex(), rate, *mode))
     assert forger.line(LINE_TIMEOUT, "ready from the forger") == "ready"
     return forger

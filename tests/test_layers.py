@@ -14,8 +14,9 @@ from fabriclab import fi
 
 PACKAGE = pathlib.Path(fabriclab.__file__).parent
 BINDING = {"fi", "_fabric", "_inprocess"}
-CORE = {"nics", "_native", "memory", "gpu", "staging", "landing", "control", "lanecopy", "topology", "shmclean", "cli",
-        "engine", "bootstrap", "measure", "recorded"}
+CORE = {"nics", "_native", "memory", "gpu", "staging", "landing", "landing_target", "landing_writer", "control",
+        "lanecopy", "topology", "shmclean", "cli", "config", "errors", "transfer", "wire", "buffers", "pages",
+        "completions", "renewal", "staged", "service", "engine", "bootstrap", "measure", "recorded"}
 STAGES = ["unidirectional", "bidirectional", "rdma_write", "opqueue", "multi_nic", "threaded", "batched"]
 TOP = {"course", "tools", "__main__"}
 

@@ -6,8 +6,8 @@ import random
 import numpy as np
 import pytest
 
-from fabriclab import Engine, batched, engine as engine_module, fi, memory, nics, rdma_write
-from fabriclab.engine import coalesce_pages
+from fabriclab import Engine, batched, fi, memory, nics, rdma_write, service as engine_module
+from fabriclab.pages import coalesce_pages
 from fabriclab.gpu import cuda_status
 from fabriclab.topology import Topology
 from fabriclab.tools.peers import start_server

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 import pytest
 
-from fabriclab import engine as engine_module, fi
+from fabriclab import fi, wire
 from sim_fault_writer import drive
 from helpers import PeerProcess
 from test_sim import HERE, NIC_A, NIC_B, pair, pump, run_python, sim_peer  # noqa: F401 (pair: the fixture)
@@ -248,7 +248,7 @@ def test_engine_names_the_sender_limit_of_the_peers_endpoint(monkeypatch):
     descriptor". One modeled NIC on both engines."""
     monkeypatch.setenv("FABRICLAB_SIM_NICS", "1")
     with contextlib.closing(PeerProcess(("sim", None), 1 << 20)) as target, sending_endpoints(SENDER_LIMIT) as senders:
-        _, (nic,), _ = engine_module._parse_address(target.address)
+        _, (nic,), _ = wire.decode_address(target.address)
         for domain, _, ep in senders:
             mr = domain.register(np.zeros(1, dtype=np.uint8), endpoint=ep)
             assert ep.try_post_send(mr, 0, 1, ep.av.insert(nic), "hold a port")

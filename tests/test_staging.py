@@ -16,7 +16,7 @@ import pytest
 
 from fabriclab import (Engine, PeerLost, RegionClosed, StagingFailed, TransferError, TransferTimeout, bootstrap, fi,
                        gpu, landing, lanecopy, memory, staging)
-from fabriclab import engine as engine_module
+from fabriclab import service as engine_module
 from fabriclab.nics import NicSet
 from helpers import PeerProcess
 
@@ -144,7 +144,7 @@ def test_two_writers_into_one_staged_target(fabric):
         assert np.all(pages[0::2] == 1) and np.all(pages[1::2] == 2)
 
 
-class GatedCopier(landing.HostCopier):
+class GatedCopier(lanecopy.HostCopier):
     """Copies, but says the copy is finished only once the test opens the gate."""
 
     def __init__(self):
@@ -159,7 +159,7 @@ def test_pages_count_and_transfers_finish_only_once_copied(fabric):
     with staged_target(fabric) as target, writer_engine(fabric) as writer:
         landed = np.zeros(4 * PAGE, np.uint8)
         descriptor = target._register_staged_host(landed).descriptor()
-        copier = target._service.landing.copiers["host"] = GatedCopier()
+        copier = target._service.landing.target.copiers["host"] = GatedCopier()
         expected = target.expect(3, 2)
         peer = writer.connect(target.address)
         transfer = peer.write_pages(writer.register(np.full(2 * PAGE, 9, np.uint8)), [0, 1], descriptor, [3, 0],
@@ -542,7 +542,8 @@ def test_a_staged_transfers_failure_speaks_of_the_callers_buffer_not_the_pools()
     """Writes of a staged transfer read from the pool: when the peer dies, the pool chunk is not yet safe,
     but the caller's GPU buffer is (only finished copies read it). The caller gets the same kind of error,
     safe, with the pool's error as its cause (a killed peer on the GPU machine showed wait_safe False)."""
-    from fabriclab.engine import InvalidDescriptor, PeerLost, _as_the_callers, _Safety
+    from fabriclab.errors import InvalidDescriptor, PeerLost, as_the_callers as _as_the_callers
+    from fabriclab.transfer import Safety as _Safety
     pool_safety, callers = _Safety(1), _Safety(1)
     lost = PeerLost("no NIC reaches the peer any more", buffer_safe=False, safety=pool_safety)
     mine = _as_the_callers(lost, True, callers)

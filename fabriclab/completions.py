@@ -1,0 +1,265 @@
+"""The engine's book of what is in flight, and the reaper thread that settles it (``fabriclab.service``).
+
+The native engine counts each transfer's writes into a shared array (``_native.TRANSFER_FIELDS`` per id) and
+wakes the reaper when a transfer finished; the reaper resolves its future, enforces deadlines, counts
+expected immediate data and deregisters closed regions once no write can touch them."""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _native
+from .errors import RegionClosed, TransferError, TransferTimeout, write_failure
+from .nics import unique_registrations
+from .transfer import Transfer
+
+TRANSFER_SLOTS = 1 << 16
+LOST_WARNING_S = 10.0  # the most often the engine warns of immediate data it could not count
+log = logging.getLogger("fabriclab")
+
+
+class RegionState:
+    """What the engine's service keeps of a region while transfers use it: its registrations and how many
+    transfers may still read it. No reference back to the Engine, so a dropped Engine can be collected."""
+
+    def __init__(self, registrations: list[Any]) -> None:
+        self.registrations = registrations
+        self.in_use = 0  # transfers whose writes may still read the region
+        self.closed = False
+
+    def deregister(self) -> None:
+        for reg in unique_registrations(self.registrations):
+            reg.close()
+
+
+# An expect(): (imm, count, future, deadline)
+Expectation = tuple[int, int, "concurrent.futures.Future[int]", float]
+
+
+class Completions:
+    """Transfers in flight (by transfer id), expectations of immediate data and regions waiting to be
+    deregistered, under ``lock`` (the service's: the native engine is freed under it); and the reaper thread
+    that settles them. It holds no reference to the Engine."""
+
+    def __init__(self, native: _native.NativeEngine, lock: threading.Lock, link_timeout: float) -> None:
+        self.native, self.lock, self.link_timeout = native, lock, link_timeout
+        self.transfers = native.attach_transfers(TRANSFER_SLOTS)
+        # A transfer id is free again only once the native engine has reported every write of it finished
+        # and none it gave up on still posted: until then the engine may count writes against it.
+        self.free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
+        self.in_use: dict[int, tuple[Transfer, RegionState, np.ndarray]] = {}
+        self.expectations: list[Expectation] = []
+        self.lost_warned = (0, -LOST_WARNING_S)  # immediate data not counted, as last warned of; when
+        self.retired_regions: list[RegionState] = []
+        self.next_deadline = float("inf")  # the earliest deadline the reaper has to look at
+        self.closed = False
+        self.thread: threading.Thread | None = None
+
+    def start(self, cores: frozenset[int] | None, finish: Callable[[], None]) -> None:
+        """Start the reaper, on ``cores`` (None: where it is); ``finish()`` runs on it if it is told to stop
+        from itself (the Engine collected on it)."""
+        self.thread = threading.Thread(target=self._reap, args=(cores, finish), name="fabriclab-engine-reaper",
+                                       daemon=True)
+        self.thread.start()
+
+    def counters(self, tid: int) -> tuple[int, int, int]:
+        """(writes left, first error, abandoned writes still posted) of transfer id ``tid``."""
+        fields = _native.TRANSFER_FIELDS
+        left, error, abandoned = self.transfers[fields * tid:fields * (tid + 1)]
+        return int(left), int(error), int(abandoned)
+
+    def track(self, transfer: Transfer, state: RegionState, routes: np.ndarray) -> int:
+        """A transfer id for ``transfer`` (its writes counted from now); the caller holds the lock."""
+        if not self.free_ids:
+            raise TransferError("too many transfers in flight", buffer_safe=True)
+        tid = self.free_ids.pop()
+        fields = _native.TRANSFER_FIELDS
+        self.transfers[fields * tid:fields * (tid + 1)] = (transfer.writes, 0, 0)
+        self.in_use[tid] = (transfer, state, routes)
+        state.in_use += 1
+        self.deadline(transfer.deadline)
+        return tid
+
+    def deadline(self, when: float) -> None:
+        """The reaper looks again by ``when``; the caller holds the lock."""
+        if when < self.next_deadline:
+            self.next_deadline = when
+            self.native.wake()
+
+    def expect(self, imm: int, count: int, future: concurrent.futures.Future[int], deadline: float) -> None:
+        """Count ``imm`` for ``future``; the caller holds the lock and awaited ``imm`` with the native engine."""
+        self.expectations.append((imm, count, future, deadline))
+        self.next_deadline = min(self.next_deadline, deadline)
+
+    def retire(self, state: RegionState) -> None:
+        """Deregister a closed region once no write can touch it; fail what still uses it with RegionClosed."""
+        with self.lock:
+            self.retired_regions.append(state)
+            self.next_deadline = 0.0
+        self.native.wake()
+
+    def fail_all(self) -> list[tuple[Transfer, RegionState, np.ndarray]]:
+        """The engine closed: fail every pending transfer and expectation (the caller holds the lock). Returns
+        the transfers that were in flight: a stuck worker may still read their buffers and routes."""
+        unfinished = list(self.in_use.values())
+        for tid, (transfer, _, _) in self.in_use.items():
+            left, _, abandoned = self.counters(tid)
+            safe = left <= 0 and abandoned <= 0
+            if not transfer.done():
+                transfer.set_exception(TransferError(f"the engine was closed with {left} of {transfer.writes} "
+                                                     "writes of the transfer unfinished", buffer_safe=safe,
+                                                     safety=transfer._safety))
+            transfer._safety.settle(safe)
+        self.in_use.clear()
+        for _, _, future, _ in self.expectations:
+            if not future.done():
+                future.set_exception(TransferError("the engine was closed", buffer_safe=True, about_buffer=False))
+        self.expectations.clear()
+        self.retired_regions.clear()
+        return unfinished
+
+    def pending(self) -> tuple[int, int, int]:
+        """(transfers not done, done but with writes still posted, expectations)."""
+        with self.lock:
+            pending = sum(not t.done() for t, _, _ in self.in_use.values())
+            return pending, len(self.in_use) - pending, len(self.expectations)
+
+    # ------------------------------------------------------------------------------- the reaper
+
+    def _reap(self, cores: frozenset[int] | None, finish: Callable[[], None]) -> None:
+        """Resolve futures as the native engine reports transfers finished (it wakes this thread, which
+        waits without the GIL); enforce deadlines; count expected immediate data. Whatever goes wrong in
+        one item fails that item's future: the thread itself never dies while the engine is open."""
+        if cores:
+            os.sched_setaffinity(0, cores)  # this thread only
+        while not self.closed:
+            try:
+                with self.lock:
+                    busy = self.in_use or self.expectations
+                    wait = min(max(self.next_deadline - time.monotonic(), 0.0), 0.05) if busy else 0.05
+                for tid in self.native.wait(wait):
+                    self._guarded(self._settle, tid)
+                now = time.monotonic()
+                with self.lock:
+                    rescan = now >= self.next_deadline
+                    expectations = list(self.expectations)
+                if rescan:
+                    self._expire(now)
+                for item in expectations:
+                    self._guarded(self._check_expectation, item, now)
+                self._retire_regions()
+                self._warn_of_lost_counts(now)
+            except Exception:  # a bug of ours: keep serving the other transfers, and say so
+                log.exception("the engine's reaper hit an error; it goes on")
+                time.sleep(0.01)
+        finish()
+
+    def _guarded(self, work: Callable[..., None], item: Any, *args: Any) -> None:
+        """Run one item's work; if it fails, fail that item's future with the reason."""
+        try:
+            work(item, *args)
+        except Exception as exc:
+            expectation = isinstance(item, tuple)  # an expect(): it reads no buffer
+            future = item[2] if expectation else self.in_use.get(item, (None,))[0]
+            log.exception("the engine failed to account for a transfer")
+            if future is not None and not future.done():
+                future.set_exception(TransferError(f"the engine failed to account for this "
+                                                   f"{'expectation' if expectation else 'transfer'}: {exc!r}",
+                                                   buffer_safe=expectation, about_buffer=not expectation))
+
+    def _settle(self, tid: int) -> None:
+        """The engine reported transfer ``tid``: resolve its future once every write finished; free the id
+        once, in addition, no write it gave up on is still posted (then the buffer is safe)."""
+        with self.lock:
+            entry = self.in_use.get(tid)
+        if entry is None:
+            return  # reported twice; already settled
+        transfer, state, _ = entry
+        left, error, abandoned = self.counters(tid)
+        if left > 0:
+            return
+        if not transfer.done():
+            self._resolve(transfer, state, error, safe=abandoned == 0)
+        if abandoned == 0:
+            with self.lock:
+                self.in_use.pop(tid, None)
+                state.in_use -= 1
+                self.free_ids.append(tid)
+            transfer._safety.settle(True)
+
+    def _check_expectation(self, item: Expectation, now: float) -> None:
+        imm, count, future, deadline = item
+        done = self.native.take_immediates(imm, count)
+        if done or now > deadline or future.cancelled():
+            with self.lock:
+                if item not in self.expectations:
+                    return  # already ended
+                self.expectations.remove(item)
+                if not self.expectations:
+                    self.native.watch_immediates(False)
+            self.native.release_immediates(imm)  # its value's place goes back once nothing else holds it
+            if done:
+                future.set_result(count)
+            elif not future.cancelled():
+                future.set_exception(TransferTimeout(f"{count} writes carrying imm {imm} did not all arrive in time",
+                                                     buffer_safe=True, about_buffer=False))
+
+    def _warn_of_lost_counts(self, now: float) -> None:
+        """Say so when pages arrived that could not be counted (at most every LOST_WARNING_S seconds)."""
+        if now < self.lost_warned[1] + LOST_WARNING_S:
+            return
+        usage = self.native.immediates_usage()
+        if usage["lost"] > self.lost_warned[0]:
+            log.warning(
+                "%d arrival(s) of immediate data could not be counted (the last carried imm %d): this engine "
+                "already counted the most values it counts at once (%d), each awaited by an expect() or holding "
+                "pages nobody took. expect() of such a value raises UsageError; expect() every value peers write",
+                usage["lost"] - self.lost_warned[0], usage["last_lost"], usage["most"])
+            self.lost_warned = (usage["lost"], now)
+
+    def _expire(self, now: float) -> None:
+        """Fail pending transfers whose deadline passed or whose region was closed; their ids stay in use
+        until the engine reports every write finished and none still posted."""
+        with self.lock:
+            pending = [(tid, entry) for tid, entry in self.in_use.items() if not entry[0].done()]
+            expectations = [x[3] for x in self.expectations]
+        earliest = float("inf")
+        for tid, (transfer, state, _) in pending:
+            if now > transfer.deadline or state.closed:
+                left, error, abandoned = self.counters(tid)
+                self._resolve(transfer, state, error, safe=left <= 0 and abandoned <= 0, expired=True, left=left)
+            else:
+                earliest = min(earliest, transfer.deadline)
+        with self.lock:
+            self.next_deadline = min([earliest, *expectations])
+
+    def _resolve(self, transfer: Transfer, state: RegionState, error: int, safe: bool, expired: bool = False,
+                 left: int = 0) -> None:
+        if transfer.done():
+            return
+        safety = transfer._safety
+        if error:
+            transfer.set_exception(write_failure(error, self.link_timeout, safe, safety))
+        elif expired and state.closed:
+            transfer.set_exception(RegionClosed("the region was closed while the transfer used it", buffer_safe=safe,
+                                                safety=safety))
+        elif expired:
+            transfer.set_exception(TransferTimeout(f"{left} of {transfer.writes} writes had not completed by the "
+                                                   "deadline (peer gone or stalled?)", buffer_safe=safe, safety=safety))
+        else:
+            transfer._succeed()
+
+    def _retire_regions(self) -> None:
+        """Deregister closed regions once no write can still touch them."""
+        with self.lock:
+            ready = [r for r in self.retired_regions if r.in_use <= 0]
+            self.retired_regions = [r for r in self.retired_regions if r.in_use > 0]
+        for state in ready:
+            state.deregister()

@@ -1,0 +1,257 @@
+"""The writer half of ``fabriclab.landing``: transfers into peers' staged targets, run on the landing thread.
+A job asks the target for lanes, writes a lane's worth of pages into each lane granted (through the engine's
+NICs), says what it wrote where (FILLED), and resolves its caller's transfer once the target copied every
+lane; it gives back what it no longer needs, and fails rather than write into lanes it may have lost."""
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _native, control, fi
+from .control import BadMessage
+from .transfer import Transfer
+
+ENDED_JOBS = 4096   # finished jobs a writer remembers, to give back lanes granted to them late
+
+
+@dataclass(eq=False)  # identity: queues remove it, and numpy fields cannot be compared
+class LandingJob:
+    """One transfer into a staged target: write i moves lengths[i] bytes from byte src[i] of the local
+    region to byte dst[i] of the target region. ``post(src, lane_offsets, lengths, imm, timeout)`` writes
+    pages into the target's lane pool and returns their Transfer; ``done(error_or_None, safe)`` resolves
+    the caller's transfer, ``settle()`` says its buffer is safe after a failure said it was not yet.
+    ``region_key`` is the key in the region's descriptor, ``target_id`` the target engine's id, ``lanes``
+    how many lanes its pool has."""
+    address: bytes          # the target's control endpoint (resolved to ``target`` by the landing thread)
+    region_id: int
+    lane_bytes: int
+    max_pages: int          # pages one FILLED can name
+    src: np.ndarray
+    dst: np.ndarray
+    lengths: np.ndarray
+    imm: int
+    deadline: float
+    post: Callable[[np.ndarray, np.ndarray, np.ndarray, int, float], Transfer]
+    done: Callable[[BaseException | None, bool], None]
+    settle: Callable[[bool], None]
+    region_key: int = 0
+    target_id: int = 0
+    lanes: int = 0
+    target: int = -1        # the target's control fi_addr
+    number: int = 0
+    splits: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)  # writes per lane
+    in_flight: dict[int, list[Any]] = field(default_factory=dict)  # lane -> [first, end, Transfer, filled]
+    posted: list[Transfer] = field(default_factory=list)  # every Transfer it posted (for buffer safety)
+    error: BaseException | bool | None = None  # False once resolved
+    safe_said: bool = False
+
+    def split(self) -> None:
+        """Cut the writes into lanes' worth: whole writes, in order, at most lane_bytes and max_pages."""
+        sizes = np.cumsum(self.lengths.astype(np.int64))
+        first, n = 0, self.src.size
+        while first < n:
+            base = sizes[first - 1] if first else 0
+            end = int(np.searchsorted(sizes, base + self.lane_bytes, side="right"))
+            end = max(first + 1, min(end, first + self.max_pages))
+            self.splits.append((first, end))
+            first = end
+
+
+def _writing(job: LandingJob) -> bool:
+    """Whether ``job`` may still write into a lane (it waits for lanes, or holds some it did not fill)."""
+    return bool(job.splits) or not all(entry[3] for entry in job.in_flight.values())
+
+
+class LandingWriter:
+    """The jobs of one engine into peers' staged targets (run on its landing thread,
+    ``fabriclab.landing.Landing``). ``failure_type(message, buffer_safe, why, cause)`` makes a failed job's
+    exception."""
+
+    def __init__(self, channel: control.ControlChannel, engine_id: int, count_peer: Callable[[int, int], None],
+                 failure_type: Callable[..., BaseException]) -> None:
+        self.channel, self.engine_id, self._count_peer, self.failure_type = channel, engine_id, count_peer, failure_type
+        self.jobs: dict[int, LandingJob] = {}
+        self.unsafe: list[LandingJob] = []  # failed jobs whose writes the provider has not all reported
+        self.releasing: list[tuple[int, int, int, Transfer]] = []  # (target, job, lane, Transfer) once safe
+        self.ended: collections.OrderedDict[int, int] = collections.OrderedDict()  # job -> target
+        self.last_heartbeat = time.monotonic()
+
+    def start(self, jobs: list[LandingJob]) -> bool:
+        """Jobs submitted since the last pass: each asks its target for lanes. Whether there were any."""
+        for job in jobs:
+            self.jobs[job.number] = job
+            self._count_peer(job.target_id, 1)
+            try:
+                job.target = self.channel.peer(job.address)
+            except fi.FabriclabError as exc:
+                self._fail(job, f"the target's control address does not fit this engine: {exc}", "engine")
+                continue
+            self._send_request(job)
+        return bool(jobs)
+
+    def stalled(self, gap: float) -> None:
+        """The landing thread did not run for ``gap`` s (its process stopped, or starved of CPU): its targets
+        may have taken it for gone and given its lanes to others, so the transfers that still had lanes to
+        write into fail rather than write into them."""
+        for job in [j for j in self.jobs.values() if _writing(j)]:
+            self._fail(job, f"this engine did not run for {gap:.1f} s (stopped, or starved of CPU): the target may "
+                            "have given its landing lanes to other writers meanwhile, so the transfer stops rather "
+                            "than write into them", "timeout")
+
+    def unreachable(self, dest: int) -> None:
+        """A control endpoint that takes no more messages: its targets are gone."""
+        for job in [j for j in self.jobs.values() if j.target == dest]:
+            self._fail(job, "the target's control endpoint cannot be reached (the peer is gone?)", "peer")
+
+    def close(self, pending: list[LandingJob]) -> None:
+        """The engine closed: fail every job (``pending``: those not started yet too)."""
+        for job in list(self.jobs.values()) + pending:
+            self._fail(job, "the engine was closed before the transfer landed in the target's memory", "engine")
+        for job in self.unsafe:
+            job.settle(False)
+
+    def _send_request(self, job: LandingJob) -> None:
+        address = self.channel.address
+        self._to_target(job, control.REQUEST, control.REQUEST_BODY.pack(job.region_id, job.region_key,
+                                                                        len(job.splits), len(address)) + address)
+
+    def _to_target(self, job: LandingJob, kind: int, body: bytes) -> None:
+        self.channel.send(job.target, control.HEAD.pack(kind, self.engine_id, job.number) + body)
+
+    def _job(self, target: int, number: int) -> LandingJob | None:
+        """The running job a target's message is about (None: one that ended), from that very target."""
+        job = self.jobs.get(number)
+        if job is not None and target != job.target_id:
+            raise BadMessage(f"a message about job {number:#x} from engine {target:#x}, which is not its target")
+        return job
+
+    def granted(self, target: int, number: int, lanes: list[int]) -> None:
+        job = self._job(target, number)
+        if job is not None:
+            wrong = [lane for lane in lanes if lane >= job.lanes or lane in job.in_flight]
+            if wrong:
+                raise BadMessage(f"GRANT of lane {wrong[0]}: the target has {job.lanes} lanes, and the job holds "
+                                 f"{sorted(job.in_flight)}")
+        for lane in lanes:
+            if job is None or not job.splits:  # the job ended (failed, or needs no more lanes): give it back
+                dest = job.target if job is not None else self.ended.get(number)
+                if dest is not None:  # else a job long gone: its lease runs out at the target
+                    self.channel.send(dest, control.HEAD.pack(control.RELEASE, self.engine_id, number)
+                                      + control.LANE.pack(lane))
+                continue
+            first, end = job.splits.popleft()
+            lengths = job.lengths[first:end]
+            offsets = lane * job.lane_bytes + np.concatenate(([0], np.cumsum(lengths[:-1].astype(np.int64))))
+            try:
+                sent = job.post(job.src[first:end], offsets, lengths, _native.lane_imm(lane),
+                                max(job.deadline - time.monotonic(), 1e-3))
+            except fi.FabriclabError as exc:
+                self._to_target(job, control.RELEASE, control.LANE.pack(lane))
+                self._fail(job, None, "engine", cause=exc)
+                job = None
+                continue
+            job.posted.append(sent)
+            job.in_flight[lane] = [first, end, sent, False]
+
+    def copied(self, target: int, number: int, lane: int) -> None:
+        job = self._job(target, number)
+        if job is None:
+            return
+        entry = job.in_flight.get(lane)
+        if entry is None or not entry[3]:
+            raise BadMessage(f"COPIED for lane {lane}, which job {number:#x} did not fill")
+        del job.in_flight[lane]
+        if not job.splits and not job.in_flight:
+            self._ended(job)
+            job.error = False  # resolved: no second resolution
+            job.done(None, True)
+
+    def refused(self, target: int, number: int, lane: int, why: str, text: str) -> None:
+        job = self._job(target, number)
+        if job is not None:
+            self._fail(job, f"the target refused the transfer: {text}", why)
+
+    def work(self) -> bool:
+        busy = False
+        now = time.monotonic()
+        for job in list(self.jobs.values()):
+            if now > job.deadline:
+                self._fail(job, "the deadline passed before every page landed in the target's memory (target "
+                                "gone or stalled, or its landing lanes all taken?)", "timeout")
+                continue
+            if now - self.channel.stuck.get(job.target, now) > control.STALL_S and _writing(job):
+                self._fail(job, f"no control message reached the target for {control.STALL_S:g} s: it may have taken "
+                                "this writer for gone and given its landing lanes to others, so the transfer stops "
+                                "rather than write into them", "peer")
+                continue
+            for lane, entry in list(job.in_flight.items()):
+                first, end, sent, filled = entry
+                if filled or not sent.done():
+                    continue
+                busy = True
+                error = sent.exception()
+                if error is not None:
+                    self._fail(job, f"a write into the target's landing lanes failed: {error}", "engine", cause=error)
+                    break
+                entries = np.empty(end - first, dtype=control.PAGE_ENTRIES)
+                entries["dst"], entries["length"] = job.dst[first:end], job.lengths[first:end]
+                self._to_target(job, control.FILLED, control.FILLED_BODY.pack(job.region_id, lane, job.imm,
+                                                                              end - first) + entries.tobytes())
+                entry[3] = True
+        if self.jobs and now - self.last_heartbeat > control.HEARTBEAT_S:
+            self.last_heartbeat = now
+            self._heartbeat()
+        still = []
+        for target, number, lane, sent in self.releasing:
+            if sent._safety.safe:
+                self.channel.send(target, control.HEAD.pack(control.RELEASE, self.engine_id, number)
+                                  + control.LANE.pack(lane))
+                busy = True
+            else:
+                still.append((target, number, lane, sent))
+        self.releasing = still
+        for job in list(self.unsafe):
+            if all(sent._safety.safe for sent in job.posted):
+                self.unsafe.remove(job)
+                job.settle(True)
+        return busy
+
+    def _heartbeat(self) -> None:
+        """ALIVE to each target, naming the jobs still running into it: its writer is not gone."""
+        running = collections.defaultdict(list)
+        for job in self.jobs.values():
+            running[job.target].append(job.number)
+        for target, numbers in running.items():
+            for message in control.alive(self.engine_id, numbers):
+                self.channel.send(target, message)
+
+    def _fail(self, job: LandingJob, message: str | None, why: str, cause: BaseException | None = None) -> None:
+        """Fail the caller's transfer once; its lanes not filled go back to the target once their writes (if
+        any) are reported."""
+        if job.error is not None:
+            return
+        self._ended(job)
+        safe = all(sent.done() and sent._safety.safe for sent in job.posted)
+        job.error = self.failure_type(message or str(cause), safe, why, cause)
+        job.splits.clear()
+        for lane, (_, _, sent, filled) in list(job.in_flight.items()):
+            if not filled:
+                self.releasing.append((job.target, job.number, lane, sent))
+        job.in_flight.clear()
+        job.done(job.error, safe)
+        if not safe:
+            self.unsafe.append(job)
+
+    def _ended(self, job: LandingJob) -> None:
+        """The job is no longer running. Remember where its lanes came from: grants may still come for it,
+        to give back."""
+        if self.jobs.pop(job.number, None) is job:
+            self._count_peer(job.target_id, -1)
+        self.ended[job.number] = job.target
+        while len(self.ended) > ENDED_JOBS:
+            self.ended.popitem(last=False)
