@@ -671,3 +671,25 @@ def progression_table(chosen: dict, ceiling: dict, runs: list) -> None:
     print("memcpy ceiling (same bytes, median):",
           ", ".join(f"{g:.1f} Gbps with {t} thread{'s' if t > 1 else ''}" for t, g in sorted(ceiling.items())))
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}")
+
+
+# ---- lessons 00-08 and 17: a measured relation worded from its own numbers; an exercise's check
+
+def relation(what: str, value: float, reference: float, against: str, within: float = 0.2) -> str:
+    """``what`` as a multiple of ``against`` in words chosen by the numbers: "within 20 % of" it, or above
+    or below it by more, so the sentence a lesson prints never says more than its run showed."""
+    ratio = value / reference if reference else float("inf")
+    if abs(ratio - 1) <= within:
+        word = f"within {within:.0%} of {against}"
+    else:
+        word = f"{'above' if ratio > 1 else 'below'} {against} by more than {within:.0%}"
+    return f"{what}: {_figure(value)} = {ratio:.2f} x {against} ({_figure(reference)}): {word}"
+
+
+def check(prediction: float, measured: float, tolerance: float = 0.25, what: str = "your prediction") -> bool:
+    """An exercise's check: the reader's ``prediction`` against what was ``measured`` (or computed), right
+    within ``tolerance``, a fraction of the measured value. Prints the verdict and returns it."""
+    right = abs(prediction - measured) <= tolerance * abs(measured)
+    print(f"{what}: {_figure(prediction)}, measured {_figure(measured)} (tolerance ±{tolerance:.0%}): "
+          + ("right" if right else "outside the tolerance: see the hint"))
+    return right
