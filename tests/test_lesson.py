@@ -119,3 +119,16 @@ def test_the_tour_runs_a_lesson_without_the_kernels_transport_warning(tmp_path, 
     assert "03_x.ipynb" in out and "ok" in out
     assert "WARNING" not in out + err
     assert tour.read_results(tmp_path / "out")[0]["measured"] == "1.0 Gbps"
+
+
+def test_relation_words_a_ratio_from_the_numbers_only():
+    assert "within 20% of memcpy" in lesson.relation("1 MiB", 90.0, 100.0, "memcpy")
+    assert "below memcpy by more than 20%" in lesson.relation("1 MiB", 50.0, 100.0, "memcpy")
+    assert "above memcpy by more than 10%" in lesson.relation("1 MiB", 120.0, 100.0, "memcpy", within=0.1)
+    assert "0.50 x memcpy" in lesson.relation("1 MiB", 50.0, 100.0, "memcpy")
+
+
+def test_check_compares_a_prediction_within_its_tolerance(capsys):
+    assert lesson.check(3.5, 3.48) and lesson.check(48, 48, tolerance=0)
+    assert not lesson.check(2.0, 3.48) and not lesson.check(47, 48, tolerance=0)
+    assert "outside the tolerance" in capsys.readouterr().out
