@@ -122,10 +122,10 @@ def test_the_tour_runs_a_lesson_without_the_kernels_transport_warning(tmp_path, 
 
 
 def test_relation_words_a_ratio_from_the_numbers_only():
-    assert "within 20% of memcpy" in lesson.relation("1 MiB", 90.0, 100.0, "memcpy")
-    assert "below memcpy by more than 20%" in lesson.relation("1 MiB", 50.0, 100.0, "memcpy")
-    assert "above memcpy by more than 10%" in lesson.relation("1 MiB", 120.0, 100.0, "memcpy", within=0.1)
-    assert "0.50 x memcpy" in lesson.relation("1 MiB", 50.0, 100.0, "memcpy")
+    assert "within 20 % of memcpy" in lesson.relation("1 MiB", 90.0, 100.0, "memcpy")
+    assert "below memcpy by more than 20 %" in lesson.relation("1 MiB", 50.0, 100.0, "memcpy")
+    assert "above memcpy by more than 10 %" in lesson.relation("1 MiB", 120.0, 100.0, "memcpy", within=0.1)
+    assert "0.5 x memcpy" in lesson.relation("1 MiB", 50.0, 100.0, "memcpy")
 
 
 def test_check_compares_a_prediction_within_its_tolerance(capsys):

@@ -679,17 +679,18 @@ def relation(what: str, value: float, reference: float, against: str, within: fl
     """``what`` as a multiple of ``against`` in words chosen by the numbers: "within 20 % of" it, or above
     or below it by more, so the sentence a lesson prints never says more than its run showed."""
     ratio = value / reference if reference else float("inf")
+    margin = f"{within * 100:.0f} %"
     if abs(ratio - 1) <= within:
-        word = f"within {within:.0%} of {against}"
+        word = f"within {margin} of {against}"
     else:
-        word = f"{'above' if ratio > 1 else 'below'} {against} by more than {within:.0%}"
-    return f"{what}: {_figure(value)} = {ratio:.2f} x {against} ({_figure(reference)}): {word}"
+        word = f"{'above' if ratio > 1 else 'below'} {against} by more than {margin}"
+    return f"{what}: {_figure(value)} = {_figure(ratio)} x {against} ({_figure(reference)}): {word}"
 
 
 def check(prediction: float, measured: float, tolerance: float = 0.25, what: str = "your prediction") -> bool:
     """An exercise's check: the reader's ``prediction`` against what was ``measured`` (or computed), right
     within ``tolerance``, a fraction of the measured value. Prints the verdict and returns it."""
     right = abs(prediction - measured) <= tolerance * abs(measured)
-    print(f"{what}: {_figure(prediction)}, measured {_figure(measured)} (tolerance ±{tolerance:.0%}): "
+    print(f"{what}: {_figure(prediction)}, measured {_figure(measured)} (tolerance ±{tolerance * 100:.0f} %): "
           + ("right" if right else "outside the tolerance: see the hint"))
     return right
