@@ -189,3 +189,16 @@ def test_noisy_neighbour_runs_while_open_and_is_gone_after():
     assert lesson.model_total(100, 1.0) % (64 << 10) == 0
     with pytest.raises(fi.UsageError, match="positive"):
         lesson.model_total(float("nan"), 1.0)
+
+
+def test_relation_words_a_ratio_from_the_numbers_only():
+    assert "within 20 % of memcpy" in lesson.relation("1 MiB", 90.0, 100.0, "memcpy")
+    assert "below memcpy by more than 20 %" in lesson.relation("1 MiB", 50.0, 100.0, "memcpy")
+    assert "above memcpy by more than 10 %" in lesson.relation("1 MiB", 120.0, 100.0, "memcpy", within=0.1)
+    assert "0.5 x memcpy" in lesson.relation("1 MiB", 50.0, 100.0, "memcpy")
+
+
+def test_check_compares_a_prediction_within_its_tolerance(capsys):
+    assert lesson.check("factor", 3.5, 3.48) and lesson.check("count", 48, 48, within=0)
+    assert not lesson.check("factor", 2.0, 3.48) and not lesson.check("count", 47, 48, within=0)
+    assert "wrong" in capsys.readouterr().out

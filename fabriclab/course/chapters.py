@@ -452,6 +452,18 @@ def check(what: str, predicted: float, measured: float, within: float = 0.25, ab
     return right
 
 
+def relation(what: str, value: float, reference: float, against: str, within: float = 0.2) -> str:
+    """``what`` as a multiple of ``against`` in words chosen by the numbers: "within 20 % of" it, or above
+    or below it by more, so the sentence a lesson prints never says more than its run showed."""
+    ratio = value / reference if reference else float("inf")
+    margin = f"{within * 100:.0f} %"
+    if abs(ratio - 1) <= within:
+        word = f"within {margin} of {against}"
+    else:
+        word = f"{'above' if ratio > 1 else 'below'} {against} by more than {margin}"
+    return f"{what}: {_figure(value)} = {_figure(ratio)} x {against} ({_figure(reference)}): {word}"
+
+
 def chapter_runs(bench, chapters, rounds: int = 3, provider: str | None = None, **setup) -> dict:
     """Chapters of tools.bench.PROGRESSION (each with only its own techniques on, ``threads`` as the GPU
     groups of every chapter as bench.progression has it) as variants of one interleaved run through one
