@@ -147,7 +147,8 @@ void flc_abandon(fl_engine *e, fl_nic *n, op_slot *slot) {
     slot->abandoned = 1;
     n->unreported++;
     if (slot->ep_gen == n->renewals) n->unreported_here++;
-    if (flc_is_transfer(e, slot->op.transfer)) __atomic_add_fetch(FLC_ABANDONED(e, slot->op.transfer), 1, __ATOMIC_ACQ_REL);
+    if (flc_is_transfer(e, slot->op.transfer))
+        __atomic_add_fetch(FLC_ABANDONED(e, slot->op.transfer), 1, __ATOMIC_ACQ_REL);
 }
 
 /* The provider reported an abandoned write: it no longer reads the buffer. The transfer is told once its
@@ -197,7 +198,10 @@ int poll_nic(thread_ctx *t, int nic_index) {
             handled++;
             continue;
         }
-        if (got < 0) { flc_fail(t->e, (int)got, "NIC %d: fi_cq_read: %s", nic_index, fi_strerror((int)-got)); return -1; }
+        if (got < 0) {
+            flc_fail(t->e, (int)got, "NIC %d: fi_cq_read: %s", nic_index, fi_strerror((int)-got));
+            return -1;
+        }
         for (ssize_t i = 0; i < got; i++) {
             if (flc_remote_completion(entries[i].flags)) { /* a peer's write into our memory */
                 t->incoming = 1;

@@ -93,7 +93,8 @@ typedef struct fl_nic {
 typedef struct fl_course_data {
     double elapsed_s;                  /* timed part of the last run */
     uint64_t timed_writes, timed_bytes;
-    uint64_t marked_writes;            /* writes of the last run that carried immediate data (fl_run_config.mark_last) */
+    uint64_t marked_writes;            /* writes of the last run that carried immediate data
+                                        * (fl_run_config.mark_last) */
     /* target side */
     int marks_only;                    /* 0: every write carries its sequence number and is counted per page
                                         * (the checking mode); 1: only the run's marked writes carry one

@@ -228,7 +228,8 @@ int fl_service_start(fl_engine *e, const fl_service_config *cfg) {
         atomic_store(&st->park_request[boxes], 0);
         atomic_store(&st->parked[boxes], 0);
         st->service_ctx[boxes] = (thread_ctx){.e = e, .st = st, .failover = &flc_service_failover, .id = boxes,
-                                              .fi_more = cfg->fi_more, .op_flags = flc_op_flags(cfg->link_timeout_s > 0),
+                                              .fi_more = cfg->fi_more,
+                                              .op_flags = flc_op_flags(cfg->link_timeout_s > 0),
                                               .link_timeout_s = cfg->link_timeout_s,
                                               .ngroups = 1, .groups = &owned[boxes],
                                               .timeout_ns = (uint64_t)(cfg->timeout_s * 1e9)};

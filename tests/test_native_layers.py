@@ -1,7 +1,8 @@
 """The native files' layering (issue 24): each file of native/ calls only the files below it in the order that
 core_internal.h documents, so there is no circle between them (the core never calls the course or the service:
 what a failed write leads to is handed to it as callbacks), and every file builds without a warning under
--Wall -Wextra. Checked on the compiled objects (nm), not on the text."""
+-Wall -Wextra, checked on the compiled objects (nm), not on the text. And on the Python side fabriclab/_native.py
+is the one module that touches the native engine: its struct, its functions, its constants."""
 import re
 import shutil
 import subprocess
@@ -11,6 +12,12 @@ import pytest
 from native_build import ROOT, libfabric_flags
 
 NATIVE = ROOT / "native"
+PACKAGE = ROOT / "fabriclab"
+#: The engine's names as Python reaches them: its functions and constants through lib, its structs through
+#: ffi, its pointer through a NativeEngine's _ptr.
+ENGINE_USE = re.compile(r"\blib\.(fl_|FL_)\w+|\"fl_\w+ ?\*|\b(engine|native)\._ptr\b")
+#: What the binding (fabriclab.fi) takes from native/ besides libfabric: signals.c and fabriclab_native.h's option.
+BINDING_USE = re.compile(r"\blib\.(fl_signals_\w+|FL_OPT_\w+)")
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +92,19 @@ def test_each_file_calls_only_those_below_it(objects):
 
 def test_native_files_build_without_warnings(objects):
     assert not objects[1], "\n".join(objects[1])
+
+
+def test_only_native_py_touches_the_engine():
+    """multi_nic.py once filled fl_engine's fields and called fl_target_run itself; now _native.NativeTarget and
+    write_run do, as NativeEngine does for the service."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name == "_native.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            uses = [m.group(0) for m in ENGINE_USE.finditer(line)]
+            if name == "fi.py" or name.startswith("fi/"):
+                uses = [u for u in uses if not BINDING_USE.fullmatch(u)]
+            found += [f"fabriclab/{name}:{number}: {u}" for u in uses]
+    assert not found, "the native engine reached around fabriclab/_native.py:\n" + "\n".join(found)
