@@ -422,6 +422,8 @@ class NativeTarget:
     def __init__(self, engine: NativeEngine, counting: bool, pages: int, page_size: int, buffer_bytes: int,
                  writes: int):
         self.engine = engine
+        self.marks_only = not counting
+        self.capacity = writes  # the writes the run was prepared for
         self.counts = np.zeros(pages if counting else 0, dtype=np.uint32)
         # one bit per write of the run: a write sent again after a link failure is counted once
         self.seen = np.zeros((writes + 63) // 64, dtype=np.uint64)
@@ -447,15 +449,6 @@ class NativeTarget:
 
     def stop(self) -> None:
         self.engine._ptr.stop = 1
-
-    @property
-    def marks_only(self) -> bool:
-        return bool(self.engine._ptr.course.marks_only)
-
-    @property
-    def capacity(self) -> int:
-        """The writes the run was prepared for."""
-        return int(self.engine._ptr.course.seen_capacity)
 
     def writer_heard(self) -> None:
         """The writer said it is writing: the loop's silence clock restarts."""

@@ -106,15 +106,22 @@ class MultiNicTarget(rdma_write.Target):
         return json.dumps({"slots": regions, "path": self.registrations[0].path,
                            "emulated": self.nicset.emulated}).encode()
 
+    @property
+    def prepared(self) -> NativeTarget:
+        """The run prepared here (a writer's PREPARE_NICS); a UsageError naming the fix when there is none."""
+        if self.loop is None:
+            raise fi.UsageError("no run is prepared here: the writer prepares one (prepare()) before it writes")
+        return self.loop
+
     def _run_loop(self, core: int) -> None:
-        self._loop_rc = self.loop.run(core, self.timeout)
+        self._loop_rc = self.prepared.run(core, self.timeout)
         if self._loop_rc:  # nobody may ask for this run's report (its writer may be gone): say it here
             print(f"target: the run failed: {self.engine.error}", flush=True)
 
     def expect(self, request: dict) -> tuple[int, int]:
         """The run's writes and what proves it complete, from the writer's word (untrusted: checked): every
         write in the checking mode, else the marked last writes. The target's silence clock restarts."""
-        loop = self.loop
+        loop = self.prepared
         capacity = loop.capacity
         for key in ("writes", "marks") if loop.marks_only else ("writes",):
             value = request.get(key)
@@ -131,9 +138,9 @@ class MultiNicTarget(rdma_write.Target):
         writes, expected = self.expect(request)
         self._loop.join(self.timeout + 2)
         if self._loop.is_alive():
-            self.loop.stop()
+            self.prepared.stop()
             self._loop.join(5)
-        arrivals = self.loop.arrivals
+        arrivals = self.prepared.arrivals
         complete = arrivals >= expected and not self._loop_rc
         verified, mismatched = None, []
         if request.get("verify"):
@@ -146,8 +153,8 @@ class MultiNicTarget(rdma_write.Target):
                               if not np.array_equal(got[p * ps:(p + 1) * ps], want[p * ps:(p + 1) * ps])][:20]
             verified = complete and not mismatched
         why = self.engine.error if self._loop_rc else ""
-        landed_s, duplicates = self.loop.landed_s, self.loop.duplicates
-        counts = self.loop.counts
+        landed_s, duplicates = self.prepared.landed_s, self.prepared.duplicates
+        counts = self.prepared.counts
         if counts.size:
             return Report(arrivals, int(np.count_nonzero(counts)), int(counts.min()), int(counts.max()), verified,
                           mismatched, self.registrations[0].path, why, landed_s, duplicates)
@@ -174,7 +181,7 @@ class MultiNicTarget(rdma_write.Target):
             reply = self.prepare_nics(_request(m), m.client)
             self.mailbox.send(self.clients[m.client], REGIONS, m.client, m.seq, reply)
         elif m.kind == RUNNING and self.engine is not None:
-            self.loop.writer_heard()
+            self.prepared.writer_heard()
         elif m.kind == RUN_OVER and self.engine is not None:
             self.expect(_request(m))
         elif m.kind == rdma_write.DONE and self.engine is not None:

@@ -305,7 +305,8 @@ FL_INTERNAL int flc_service_release_stranded(fl_engine *e);
 
 /* ------------------------------------------ defined in course_failover.c: a write run's writes, for course.c */
 
-FL_INTERNAL extern const flc_failover flc_course_failover;
+/* a write run's thread: its configuration, and how the core posts and fails over for it */
+FL_INTERNAL void flc_run_posting(thread_ctx *t, const fl_run_config *cfg);
 FL_INTERNAL void page_op(const thread_ctx *t, int nic_index, uint64_t seq, fl_op *op);
 FL_INTERNAL int requeue(thread_ctx *t, group *g, uint64_t seq);
 /* the whole run's and one link's deadlines: 0 go on, -1 the engine failed */

@@ -238,13 +238,7 @@ int fl_write_run(fl_engine *e, const fl_run_config *cfg) {
     pthread_barrier_init(&st->start_line, NULL, T);
     for (int t = 0; t < T; t++) {
         ctx[t].e = e;
-        ctx[t].cfg = cfg;
-        ctx[t].failover = &flc_course_failover;
-        ctx[t].fi_more = cfg->fi_more;
-        ctx[t].shard = cfg->shard;
-        ctx[t].op_flags = flc_op_flags(cfg->link_timeout_s > 0 || cfg->mark_last);
-        ctx[t].link_timeout_s = cfg->link_timeout_s;
-        ctx[t].warmup_from = cfg->total_writes;
+        flc_run_posting(&ctx[t], cfg);
         ctx[t].st = st;
         ctx[t].id = t;
         ctx[t].pages = pages;

@@ -111,6 +111,19 @@ int check_link(thread_ctx *t, int nic_index) {
 
 /* ------------------------------------------------------------------ the course's callbacks for the core */
 
+static const flc_failover flc_course_failover;
+
+void flc_run_posting(thread_ctx *t, const fl_run_config *cfg) {
+    t->cfg = cfg;
+    t->failover = &flc_course_failover;
+    t->fi_more = cfg->fi_more;
+    t->shard = cfg->shard;
+    /* failover and the article's receiver need a completion to mean the bytes landed (course.c says why) */
+    t->op_flags = flc_op_flags(cfg->link_timeout_s > 0 || cfg->mark_last);
+    t->link_timeout_s = cfg->link_timeout_s;
+    t->warmup_from = cfg->total_writes;
+}
+
 static enum flc_post flc_run_post_failed(thread_ctx *t, int nic_index, const fl_op *op, int err) {
     (void)op;
     if (t->cfg->link_timeout_s > 0)
@@ -141,7 +154,7 @@ static enum flc_reap flc_run_write_failed(thread_ctx *t, int nic_index, op_slot 
     return FLC_REAP_FAILED;
 }
 
-const flc_failover flc_course_failover = {
+static const flc_failover flc_course_failover = {
     .post_failed = flc_run_post_failed,
     .imm_refused = flc_run_imm_refused,
     .write_failed = flc_run_write_failed,
