@@ -14,9 +14,13 @@
  *     core.c             posting, reaping, the FI_MORE flush rule, and counting writes against transfers
  *     imm.c              the count of arriving immediate data (imm.h)
  *
+ * Headers: core.h (the engine's public structs) is included by course.h and service.h (each user's
+ * configuration and entry points), all three by this one, and this one by every file above; imm.h comes
+ * with core.h. No header includes one that includes it.
+ *
  * The core never calls up: what happens when a write fails or a NIC goes quiet is each user's own, handed
- * to the core as a table of callbacks (flc_failover, in thread_ctx.failover). sharing.c (lesson 13's counter
- * benchmark) uses the shard types only; copyrate.c and signals.c stand alone.
+ * to the core as a table of callbacks (flc_failover, in thread_ctx.failover). The benchmarks sharing.c (lesson
+ * 13's counters, with the shard types below) and copyrate.c call only the core's clock; signals.c stands alone.
  *
  * Internal names take the flc_ prefix, static ones too, but for those the course's lessons quote and teach
  * (fabriclab.course.lesson.show_c finds an excerpt by its first line): poll_nic, post_write, progress_pending,

@@ -365,7 +365,7 @@ static int read_queues(fl_engine *e, struct fi_cq_data_entry *entries) {
             fi_cq_readerr(n->cq, &err, 0);
             n->errors++;
             flc_fail(e, -err.err, "target NIC %d: %s (%s)", i, fi_strerror(err.err),
-                 fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf));
+                     fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf));
             return -1;
         }
         if (got < 0) {
@@ -385,10 +385,10 @@ static void target_silent(fl_engine *e, uint64_t expected, double timeout_s) {
     const char *what = e->course.marks_only ? "marked last writes" : "writes";
     if (expected != UINT64_MAX)
         flc_fail(e, -FI_ETIMEDOUT, "only %llu of the run's %llu %s arrived; nothing more for %.1f s",
-             (unsigned long long)e->course.arrivals, (unsigned long long)expected, what, timeout_s);
+                 (unsigned long long)e->course.arrivals, (unsigned long long)expected, what, timeout_s);
     else
         flc_fail(e, -FI_ETIMEDOUT, "the writer went silent mid-run: no write landed and no word came for %.1f s "
-             "(%llu %s had landed); is it gone?", timeout_s, (unsigned long long)e->course.arrivals, what);
+                 "(%llu %s had landed); is it gone?", timeout_s, (unsigned long long)e->course.arrivals, what);
 }
 
 static void *target_thread(void *arg) {
