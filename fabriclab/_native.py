@@ -1,13 +1,15 @@
 """The native engine (``native/core.c``, ``course.c``, ``service.c``) as Python drives it.
 
-:class:`NativeEngine` wraps one ``fl_engine`` over a :class:`~fabriclab.nics.NicSet`. The course's stages
-(``fabriclab.multi_nic`` and after) run its write and target loops with :meth:`NativeEngine.run`;
-``fabriclab.Engine`` runs it as a service through the methods of its second half, and never touches the
-cffi struct or ``lib`` itself: this module is the one place that knows the native engine's layout.
+:class:`NativeEngine` wraps one ``fl_engine`` over a :class:`~fabriclab.nics.NicSet`. ``fabriclab.Engine`` runs
+it as a service through the methods of its second half; the course's stages (``fabriclab.multi_nic`` and after)
+run its write loop with :func:`write_run` and its target loop through a :class:`NativeTarget`. Neither touches
+the cffi struct or ``lib`` itself: this module is the one place that knows the native engine's layout.
 """
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -96,11 +98,11 @@ class NativeEngine:
         if registration.staging is None:
             return
         hooks = registration.staging_hooks(outbound)
-        e = self._ptr
-        e.stage_device_base, e.stage_host_base = hooks["device"], hooks["host"]
-        e.stage_copy = ffi.cast("int (*)(uint64_t, uint64_t, size_t)", hooks["copy"])
-        e.stage_set_context = ffi.cast("int (*)(void *)", hooks["set_context"])
-        e.stage_context = ffi.cast("void *", hooks["context"])
+        c = self._ptr.course
+        c.stage_device_base, c.stage_host_base = hooks["device"], hooks["host"]
+        c.stage_copy = ffi.cast("int (*)(uint64_t, uint64_t, size_t)", hooks["copy"])
+        c.stage_set_context = ffi.cast("int (*)(void *)", hooks["set_context"])
+        c.stage_context = ffi.cast("void *", hooks["context"])
 
     def set_peer(self, index: int, dest: int, remote: fi.RemoteRegion) -> None:
         n = self._ptr.nics[index]
@@ -142,8 +144,12 @@ class NativeEngine:
         finally:
             self._join_worker()
         if result.get("rc", -1) != 0:
-            raise fi.FabricError("fabriclab engine", result.get("rc", -lib.FI_EIO),
-                                 message=f"engine: {ffi.string(self._ptr.error).decode(errors='replace')}")
+            raise fi.FabricError("fabriclab engine", result.get("rc", -lib.FI_EIO), message=f"engine: {self.error}")
+
+    @property
+    def error(self) -> str:
+        """Why the engine's last run or service failed (empty when it did not)."""
+        return ffi.string(self._ptr.error).decode(errors="replace")
 
     def _join_worker(self) -> None:
         running = getattr(self, "_running", None)
@@ -195,8 +201,8 @@ class NativeEngine:
         update and the caller reads and sets (an id's writes before it hands them over). Returns that array,
         kept alive here as long as the engine that writes into it."""
         self._transfers = np.zeros(TRANSFER_FIELDS * transfers, dtype=np.int64)
-        self._ptr.transfers = ffi.cast("int64_t *", self._transfers.ctypes.data)
-        self._ptr.transfer_capacity = transfers
+        self._ptr.service.transfers = ffi.cast("int64_t *", self._transfers.ctypes.data)
+        self._ptr.service.transfer_capacity = transfers
         return self._transfers
 
     def attach_immediates(self, most: int) -> None:
@@ -211,13 +217,11 @@ class NativeEngine:
         ``cores[t]`` when cores are given. They post lazily, ``config.batch`` writes from their inbox per NIC
         per pass; ``config.link_timeout_s`` seconds without a completion on a NIC with writes in flight marks
         the paths of those writes down (0: never). Attach the transfers first. The one place an EngineConfig
-        becomes the C engine's fl_config."""
+        becomes the C engine's fl_service_config."""
         for slot in self.nics.slots:
             self._ptr.nics[slot.index].group = groups[slot.index]
-        cfg = ffi.new("fl_config *")
-        # groups: the service drives no write run, so each worker is its own group
-        cfg.threads, cfg.groups, cfg.batch, cfg.lazy = threads, threads, config.batch, 1
-        cfg.fi_more = int(config.fi_more)
+        cfg = ffi.new("fl_service_config *")
+        cfg.threads, cfg.batch, cfg.fi_more = threads, config.batch, int(config.fi_more)
         cfg.timeout_s = config.timeout
         cfg.link_timeout_s = config.link_timeout_s
         cfg.pin = int(bool(cores))
@@ -227,7 +231,7 @@ class NativeEngine:
         e = self._ptr
         e.stop = 0
         if lib.fl_service_start(e, cfg) != 0:
-            raise fi.FabricError("fl_service_start", e.error_code, message=ffi.string(e.error).decode())
+            raise fi.FabricError("fl_service_start", e.error_code, message=self.error)
 
     def request(self, routes: np.ndarray, local_base: int, src: np.ndarray, dst: np.ndarray, stride: int,
                 lengths, imm: int, first_nic: int, pages_in_imm: bool = False,
@@ -279,7 +283,7 @@ class NativeEngine:
 
     def watch_immediates(self, on: bool) -> None:
         """While on, an arrival of immediate data ends :meth:`wait` (someone waits for such arrivals)."""
-        self._ptr.imm_watch = int(on)
+        self._ptr.service.imm_watch = int(on)
 
     def await_immediates(self, imm: int, report_lost: bool) -> int:
         """Keep counting ``imm`` (arrivals before and after) until as many :meth:`release_immediates`: IMM_OK, or
@@ -364,3 +368,131 @@ class NativeEngine:
         in a provider call that never returns: shm spins for ever on a lock its killed peer held). Those are
         left running at idle priority, and the native engine is then not freed while they are there."""
         return lib.fl_service_stop(self._ptr, timeout)
+
+
+# ------------------------------------------------------------- the course's write runs and their target
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """What one write run measured: its timed writes and bytes over ``elapsed_s`` (the warm-up left out), and
+    how many of its writes carried immediate data (each NIC's last, or all in the checking mode)."""
+
+    writes: int
+    bytes: int
+    elapsed_s: float
+    marked: int
+
+
+#: fl_run_config's fields (native/course.h) that a stage's switches and sizes set.
+RUN_FIELDS = ("threads", "groups", "warmup", "pin", "shard", "pad", "batch", "lazy", "fi_more", "mark_last",
+              "total_writes", "page_size", "buffer_bytes", "local_base", "timeout_s", "link_timeout_s")
+
+
+class RunConfig:
+    """One write run's fl_run_config (native/course.h), checked: ``fields`` sets every name of RUN_FIELDS (a
+    stage's switches and sizes), ``cores`` the core of each thread where ``fields["pin"]``."""
+
+    __slots__ = ("_c", "threads", "groups")
+
+    def __init__(self, fields: dict, cores: list[int]):
+        missing = set(RUN_FIELDS) - set(fields)
+        if missing:
+            raise fi.UsageError(f"a write run needs {sorted(missing)}")
+        if fields["threads"] > MAX_THREADS:
+            raise fi.UsageError(f"at most {MAX_THREADS} threads")
+        self._c = ffi.new("fl_run_config *")
+        for key in RUN_FIELDS:
+            setattr(self._c, key, fields[key])
+        for i, core in enumerate(cores[:MAX_THREADS]):
+            self._c.cores[i] = core
+        self.threads, self.groups = int(fields["threads"]), int(fields["groups"])
+
+
+def write_run(engine: NativeEngine, config: RunConfig, tick: Callable[[], None] | None = None) -> RunFigures:
+    """Run one timed write run (native/course.c's fl_write_run) over ``engine``'s NICs. Blocks until the run
+    ends (Ctrl-C stops it); raises FabricError when it failed. ``tick``: see :meth:`NativeEngine.run`."""
+    engine.run(lib.fl_write_run, config._c, timeout=config._c.timeout_s, tick=tick)
+    c = engine._ptr.course
+    return RunFigures(int(c.timed_writes), int(c.timed_bytes), float(c.elapsed_s), int(c.marked_writes))
+
+
+class NativeTarget:
+    """The course's target loop (native/course.c's fl_target_run) over a :class:`NativeEngine`: one thread
+    polling every NIC, counting what lands into arrays this object keeps alive as long as the engine (a loop
+    that never stopped may still write into them). ``pages`` counters when ``counting`` (the checking mode:
+    every write carries its number), else only the marked writes are counted (``marks_only``)."""
+
+    def __init__(self, engine: NativeEngine, counting: bool, pages: int, page_size: int, buffer_bytes: int,
+                 writes: int):
+        self.engine = engine
+        self.marks_only = not counting
+        self.capacity = writes  # the writes the run was prepared for
+        self.counts = np.zeros(pages if counting else 0, dtype=np.uint32)
+        # one bit per write of the run: a write sent again after a link failure is counted once
+        self.seen = np.zeros((writes + 63) // 64, dtype=np.uint64)
+        c = engine._ptr.course
+        engine._ptr.stop = 0
+        c.marks_only = int(not counting)
+        c.page_counts = ffi.cast("uint32_t *", self.counts.ctypes.data) if counting else ffi.NULL
+        c.seen_writes = ffi.cast("uint64_t *", self.seen.ctypes.data) if self.seen.size else ffi.NULL
+        c.seen_capacity = writes
+        c.duplicates = 0
+        c.pages = pages
+        c.target_page_size, c.target_buffer_bytes = page_size, buffer_bytes
+        c.expected_arrivals = 2 ** 64 - 1
+        c.arrivals = c.first_arrival_ns = c.last_arrival_ns = c.writer_heard_ns = 0
+
+    def run(self, core: int, timeout: float) -> int:
+        """The loop itself, on the calling thread (pinned to ``core`` unless it is negative), until the run is
+        complete, :meth:`stop`, or the writer was silent for ``timeout`` seconds mid-run: 0, or a negative error
+        code (:attr:`NativeEngine.error`). Where the provider moves writes only while the target polls
+        (FI_PROGRESS_MANUAL), the loop never sleeps during a run."""
+        manual = self.engine.nics.slots[0].info.data_progress == lib.FI_PROGRESS_MANUAL
+        return lib.fl_target_run(self.engine._ptr, core, int(manual), timeout)
+
+    def stop(self) -> None:
+        self.engine._ptr.stop = 1
+
+    def writer_heard(self) -> None:
+        """The writer said it is writing: the loop's silence clock restarts."""
+        self.engine._ptr.course.writer_heard_ns = lib.fl_now_ns()
+
+    def expect(self, arrivals: int) -> None:
+        """The run is complete once ``arrivals`` writes (marked writes with :attr:`marks_only`) have landed."""
+        self.engine._ptr.course.expected_arrivals = arrivals
+
+    @property
+    def arrivals(self) -> int:
+        return int(self.engine._ptr.course.arrivals)
+
+    @property
+    def duplicates(self) -> int:
+        """Arrivals of a write that had landed before (sent again after a link failure)."""
+        return int(self.engine._ptr.course.duplicates)
+
+    @property
+    def landed_s(self) -> float:
+        """From the first write landing (or, counting marks only, the writer's first word) to the last."""
+        c = self.engine._ptr.course
+        return (c.last_arrival_ns - c.first_arrival_ns) / 1e9
+
+
+# ------------------------------------------------------------------- the lessons' and the bench's C benchmarks
+
+
+def memcpy_rate(threads: int, bytes_per_thread: int, repeats: int, cores: list[int]) -> list[float] | None:
+    """native/copyrate.c: ``threads`` C threads, pinned in turn to ``cores``, each copying its own
+    ``bytes_per_thread``, all started together ``repeats`` times: each repeat's Gbps, or None when it could not
+    run (too many threads, or not enough memory)."""
+    runs = ffi.new("double[]", repeats)
+    if lib.fl_memcpy_rate(threads, bytes_per_thread, repeats, ffi.new("int[]", cores), len(cores), runs) != 0:
+        return None
+    return list(runs)
+
+
+def counter_update_ns(layout: str, threads: int, updates: int, cores: list[int]) -> float:
+    """native/sharing.c: ns per counter update with ``threads`` threads pinned in turn to ``cores``, each updating
+    ``updates`` times, the counters laid out as ``layout`` (FL_SHARED_ATOMIC, FL_PACKED_SLOTS or FL_PADDED_SLOTS);
+    negative when refused."""
+    return lib.fl_counter_bench(getattr(lib, layout), threads, updates, ffi.new("int[]", cores), len(cores))

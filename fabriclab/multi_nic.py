@@ -26,8 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import bidirectional, cli, fi, memory, opqueue, rdma_write
-from ._fabric import ffi, lib
-from ._native import NativeEngine
+from ._native import MAX_NICS, NativeEngine, NativeTarget, RunConfig, write_run
 from .nics import NicGroups, NicSet, discover_topology, group_nics, release_nics, worker_cores
 from .rdma_write import PagePlan, Report, Writer, WriteStats
 
@@ -67,8 +66,8 @@ class MultiNicTarget(rdma_write.Target):
         self.provider, self.domains = provider, domains
         self.nicset: NicSet | None = None
         self.engine: NativeEngine | None = None
+        self.loop: NativeTarget | None = None
         self.registrations: list[memory.Registration] = []
-        self.counts: np.ndarray | None = None
         self.plan: PagePlan | None = None
         self.writer: int | None = None  # the client whose run this is
         self._loop: threading.Thread | None = None
@@ -88,26 +87,13 @@ class MultiNicTarget(rdma_write.Target):
             dest = slot.av.insert(fi.Address.parse(address))
             self.engine.set_peer(slot.index, dest, fi.RemoteRegion(0, 0, 0))
         counting = bool(request.get("count_writes", True))  # a writer that does not say numbers every write
-        self.counts = np.zeros(plan.pages if counting else 0, dtype=np.uint32)
-        # one bit per write of the run: a write sent again after a link failure is counted once
-        self.seen = np.zeros((request.get("writes", 0) + 63) // 64, dtype=np.uint64)
-        e = self.engine._ptr
-        e.stop = 0
-        e.marks_only = int(not counting)
-        e.page_counts = ffi.cast("uint32_t *", self.counts.ctypes.data) if counting else ffi.NULL
-        e.seen_writes = ffi.cast("uint64_t *", self.seen.ctypes.data) if self.seen.size else ffi.NULL
-        e.seen_capacity = request.get("writes", 0)
-        e.duplicates = 0
-        e.pages = plan.pages
-        e.target_page_size, e.target_buffer_bytes = plan.page_size, plan.buffer_bytes
-        e.expected_arrivals = 2 ** 64 - 1
-        e.arrivals = e.first_arrival_ns = e.last_arrival_ns = e.writer_heard_ns = 0
+        self.loop = NativeTarget(self.engine, counting, plan.pages, plan.page_size, plan.buffer_bytes,
+                                 request.get("writes", 0))
         allowed = os.sched_getaffinity(0)
         core = next((c for c in request.get("target_cores", ()) if isinstance(c, int) and c in allowed), -1)
         info = self.nicset.slots[0].info
-        manual = info.data_progress == lib.FI_PROGRESS_MANUAL
         self._loop_rc = 0
-        self._loop = threading.Thread(target=self._run_loop, args=(core, manual), daemon=True)
+        self._loop = threading.Thread(target=self._run_loop, args=(core,), daemon=True)
         self._loop.start()
         proof = "counting every write" if counting else "waiting for each NIC's last write: " + (
             "writes land in order per NIC here (fi_getinfo's msg_order), so that alone would prove the run"
@@ -120,35 +106,41 @@ class MultiNicTarget(rdma_write.Target):
         return json.dumps({"slots": regions, "path": self.registrations[0].path,
                            "emulated": self.nicset.emulated}).encode()
 
-    def _run_loop(self, core: int, manual: bool) -> None:
-        self._loop_rc = lib.fl_target_run(self.engine._ptr, core, int(manual), self.timeout)
+    @property
+    def prepared(self) -> NativeTarget:
+        """The run prepared here (a writer's PREPARE_NICS); a UsageError naming the fix when there is none."""
+        if self.loop is None:
+            raise fi.UsageError("no run is prepared here: the writer prepares one (prepare()) before it writes")
+        return self.loop
+
+    def _run_loop(self, core: int) -> None:
+        self._loop_rc = self.prepared.run(core, self.timeout)
         if self._loop_rc:  # nobody may ask for this run's report (its writer may be gone): say it here
-            print(f"target: the run failed: {ffi.string(self.engine._ptr.error).decode(errors='replace')}",
-                  flush=True)
+            print(f"target: the run failed: {self.engine.error}", flush=True)
 
     def expect(self, request: dict) -> tuple[int, int]:
         """The run's writes and what proves it complete, from the writer's word (untrusted: checked): every
         write in the checking mode, else the marked last writes. The target's silence clock restarts."""
-        e = self.engine._ptr
-        capacity = int(e.seen_capacity)
-        for key in ("writes", "marks") if e.marks_only else ("writes",):
+        loop = self.prepared
+        capacity = loop.capacity
+        for key in ("writes", "marks") if loop.marks_only else ("writes",):
             value = request.get(key)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= capacity:
                 raise fi.UsageError(f"the run's {key} must be a whole number from 0 to the {capacity} writes "
                                     f"prepared, got {value!r}")
         writes = request["writes"]
-        e.writer_heard_ns = lib.fl_now_ns()
-        e.expected_arrivals = request["marks"] if e.marks_only else writes
-        return writes, int(e.expected_arrivals)
+        expected = request["marks"] if loop.marks_only else writes
+        loop.writer_heard()
+        loop.expect(expected)
+        return writes, expected
 
     def finish_nics(self, request: dict) -> Report:
-        e = self.engine._ptr
         writes, expected = self.expect(request)
         self._loop.join(self.timeout + 2)
         if self._loop.is_alive():
-            e.stop = 1
+            self.prepared.stop()
             self._loop.join(5)
-        arrivals = int(e.arrivals)
+        arrivals = self.prepared.arrivals
         complete = arrivals >= expected and not self._loop_rc
         verified, mismatched = None, []
         if request.get("verify"):
@@ -160,25 +152,25 @@ class MultiNicTarget(rdma_write.Target):
                 mismatched = [p for p in range(self.plan.pages)
                               if not np.array_equal(got[p * ps:(p + 1) * ps], want[p * ps:(p + 1) * ps])][:20]
             verified = complete and not mismatched
-        why = ffi.string(e.error).decode(errors="replace") if self._loop_rc else ""
-        landed_s = (e.last_arrival_ns - e.first_arrival_ns) / 1e9
-        counts = self.counts
+        why = self.engine.error if self._loop_rc else ""
+        landed_s, duplicates = self.prepared.landed_s, self.prepared.duplicates
+        counts = self.prepared.counts
         if counts.size:
             return Report(arrivals, int(np.count_nonzero(counts)), int(counts.min()), int(counts.max()), verified,
-                          mismatched, self.registrations[0].path, why, landed_s, int(e.duplicates))
+                          mismatched, self.registrations[0].path, why, landed_s, duplicates)
         return Report(writes if complete else 0, 0, 0, 0, verified, mismatched, self.registrations[0].path, why,
-                      landed_s, int(e.duplicates), counted=False, marks=arrivals)
+                      landed_s, duplicates, counted=False, marks=arrivals)
 
     def release(self) -> None:
         if self._loop is not None and self._loop.is_alive():
-            self.engine._ptr.stop = 1
+            self.loop.stop()
             self._loop.join(5)
             if self._loop.is_alive():
                 print("target: the last run's thread did not stop within 5 s (stuck in the provider): its NICs and "
                       "memory stay allocated", flush=True)
-                _STUCK_LOOPS.append((self._loop, self.engine, self.registrations, self.nicset, self.buffer))
+                _STUCK_LOOPS.append((self._loop, self.engine, self.loop, self.registrations, self.nicset, self.buffer))
                 self.engine, self.registrations, self.nicset, self.buffer = None, [], None, None
-        self._loop = None
+        self._loop, self.loop = None, None
         release_nics(self)
         super().release()
 
@@ -189,7 +181,7 @@ class MultiNicTarget(rdma_write.Target):
             reply = self.prepare_nics(_request(m), m.client)
             self.mailbox.send(self.clients[m.client], REGIONS, m.client, m.seq, reply)
         elif m.kind == RUNNING and self.engine is not None:
-            self.engine._ptr.writer_heard_ns = lib.fl_now_ns()
+            self.prepared.writer_heard()
         elif m.kind == RUN_OVER and self.engine is not None:
             self.expect(_request(m))
         elif m.kind == rdma_write.DONE and self.engine is not None:
@@ -312,23 +304,15 @@ class MultiNicWriter(Writer):
         return {"local": self.registrations[0].path, "local_why": self.registrations[0].why,
                 "remote_path": reply["path"], "remote_why": "", "emulated": self.nicset.emulated}
 
-    def config(self, writes: int) -> "ffi.CData":
-        cfg = ffi.new("fl_config *")
-        for key, value in self.switches().items():
-            setattr(cfg, key, value)
-        if cfg.threads > lib.FL_MAX_THREADS:
-            raise fi.UsageError(f"at most {lib.FL_MAX_THREADS} threads")
-        cores = self.worker_cores(cfg.threads) if cfg.pin else []
-        for i, core in enumerate(cores):
-            cfg.cores[i] = core
-        cfg.total_writes = writes
-        cfg.page_size = self.plan.page_size
-        cfg.buffer_bytes = self.plan.buffer_bytes
+    def config(self, writes: int) -> RunConfig:
+        switches = self.switches()
         staging = self.registrations[0].staging
-        cfg.local_base = (staging or self.source).pointer  # what the NIC reads: the pinned copy when staged
-        cfg.timeout_s = self.timeout
-        cfg.link_timeout_s = self.link_timeout
-        return cfg
+        # what the NIC reads: the pinned copy when staged
+        sizes = {"total_writes": writes, "page_size": self.plan.page_size, "buffer_bytes": self.plan.buffer_bytes,
+                 "local_base": (staging or self.source).pointer, "timeout_s": self.timeout,
+                 "link_timeout_s": self.link_timeout}
+        cores = self.worker_cores(switches["threads"]) if switches["pin"] else []
+        return RunConfig({**switches, **sizes}, cores)
 
     def worker_cores(self, threads: int) -> list[int]:
         return worker_cores(threads, self.stack.info.provider, self.cores, self.nic_groups)
@@ -361,13 +345,12 @@ class MultiNicWriter(Writer):
                 heard[0] = time.monotonic()
                 self._tell(RUNNING)
 
-        self.engine.run(lib.fl_write_run, cfg, timeout=self.timeout, tick=heartbeat)
+        run = write_run(self.engine, cfg, tick=heartbeat)
         cpu = time.process_time() - cpu0
-        e = self.engine._ptr
         self.writes_issued = self.plan.writes  # warm-up writes are numbered past these; the target skips them
-        self.marks = int(e.marked_writes)
+        self.marks = run.marked
         self._tell(RUN_OVER, self.run_summary())  # every write has completed, each delivered (FI_DELIVERY_COMPLETE)
-        return EngineStats(int(e.timed_writes), int(e.timed_bytes), float(e.elapsed_s), cpu,
+        return EngineStats(run.writes, run.bytes, run.elapsed_s, cpu,
                            sum(int(self.engine.nic(i).eagain) for i in range(len(self.nicset.slots))),
                            nics=len(self.nicset.slots), emulated_nics=self.nicset.emulated, threads=cfg.threads,
                            groups=cfg.groups, per_nic=self.engine.counters())
@@ -412,16 +395,16 @@ def add_engine_options(parser) -> None:
     opqueue.add_queue_options(parser)
     options = parser.add_argument_group("NICs and warm-up (chapters 9-10 on)")
     options.add_argument("--nics", default=None, help="NIC slots (default: every domain; more = emulated)",
-                         type=cli.count("NIC slots", lib.FL_MAX_NICS, "slots beyond this machine's NICs are emulated: "
+                         type=cli.count("NIC slots", MAX_NICS, "slots beyond this machine's NICs are emulated: "
                                         "endpoints sharing a domain"))
-    options.add_argument("--groups", type=cli.count("GPU groups", lib.FL_MAX_NICS, "each drives NICs of its own"),
+    options.add_argument("--groups", type=cli.count("GPU groups", MAX_NICS, "each drives NICs of its own"),
                          default=1,
                          help="GPU groups the NICs are split into, all walked by one thread (default %(default)s; "
                               "from chapter 11 on --threads sets them, a thread each)")
     options.add_argument("--count-writes", action="store_true",
                          help="the checking mode: every write carries its number and the target counts each "
                               "(default: as the article, only each NIC's last write is marked)")
-    # One write per NIC is what the C engine's warm-up does (fl_config.warmup is a switch), hence no count.
+    # One write per NIC is what the C engine's warm-up does (fl_run_config.warmup is a switch), hence no count.
     options.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                          help="chapter 10, on by default: one untimed write through each NIC before the clock "
                               "starts (--no-warmup: chapter 9)")

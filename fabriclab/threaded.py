@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 
 from . import cli, fi, multi_nic
-from ._fabric import lib
+from ._native import MAX_THREADS
 from .multi_nic import MultiNicWriter
 
 
@@ -86,7 +86,7 @@ def add_thread_options(parser) -> None:
     multi_nic.add_engine_options(parser)
     options = parser.add_argument_group("threads (chapters 11-13 on)")
     options.add_argument("--threads", default=writer_threads()[0],
-                         type=cli.count("threads", lambda: min(os.cpu_count() or 1, lib.FL_MAX_THREADS),
+                         type=cli.count("threads", lambda: min(os.cpu_count() or 1, MAX_THREADS),
                                         "at most one per core of this machine: a worker thread polls without rest"),
                          help="GPU groups, each with a worker thread while the cores last: writer threads and the "
                               "target's never outnumber the cores this process may use (default %(default)s here)")

@@ -3,7 +3,7 @@
  * Python opens every libfabric object (fabriclab.fi) and fills one fl_nic per NIC slot; this code only
  * runs the hot loop: posting RDMA WRITEs with immediate data, reaping completions, retrying -FI_EAGAIN,
  * from one or many pinned threads. The core (core.c) posts, reaps and fails over; its two users drive it:
- * the course's run loops (course.h: each chapter's technique is a switch in fl_config, so a lesson can
+ * the course's run loops (course.h: each chapter's technique is a switch in fl_run_config, so a lesson can
  * measure exactly what that technique adds) and the library's service (service.h: fabriclab.Engine). */
 #ifndef FABRICLAB_CORE_H
 #define FABRICLAB_CORE_H
@@ -88,46 +88,17 @@ typedef struct fl_nic {
     struct fid_ep *next_ep;  /* a fresh endpoint waiting for the worker (swapped in at the next revival) */
 } __attribute__((aligned(64))) fl_nic;
 
-typedef struct fl_config {
-    int threads;            /* 1 = one thread drives every group (ch 9-10); else one thread per group */
-    int groups;             /* GPU groups; a NIC belongs to one */
-    int warmup;             /* ch 10: one untimed write per NIC before the clock starts */
-    int pin;                /* ch 12: pin thread t to cores[t] */
-    int shard;              /* ch 13: per-thread counters instead of shared atomics */
-    int pad;                /* beyond ch 13: one cache line per thread's counters */
-    int batch;              /* ch 14: writes enqueued per group per pass (1 = chapters 9-13) */
-    int lazy;               /* ch 15: enqueue only; post from the completion loop after draining the CQ */
-    int fi_more;            /* extra: FI_MORE on all but the last write of each run posted to one NIC */
-    int mark_last;          /* the article's receiver: only each group's last writes (one per NIC, by round
-                             * robin) carry immediate data, and every write asks for FI_DELIVERY_COMPLETE
-                             * (course.c says why); 0 = every write carries its sequence number, the
-                             * checking mode a counting target needs */
-    int cores[FL_MAX_THREADS];
-    uint64_t total_writes;  /* timed writes, over all groups */
-    uint64_t page_size;
-    uint64_t buffer_bytes;  /* the region written cyclically, page by page */
-    uint64_t local_base;    /* address of the local buffer (source of the writes) */
-    double timeout_s;       /* no completion on any NIC with work for this long: the peer is gone */
-    double link_timeout_s;  /* no completion on one NIC with work for this long: that link is down; its
-                             * writes go to the group's other NICs (0: never declare a link down). With
-                             * failover on, writes ask for FI_DELIVERY_COMPLETE: over tcp a write otherwise
-                             * completes once its bytes are in a socket buffer, and a dead link loses them */
-} fl_config;
-
-typedef struct fl_engine {
-    int nnics;
-    fl_nic *nics;
-    volatile int stop;                 /* set by Python (interrupt) or by a failing thread; cleared only by
-                                        * the caller before a run, so a stop asked for early still holds */
-    int error_code;                    /* negative libfabric/errno code of the first failure, or 0 */
-    char error[FL_ERROR_LEN];
+/* The course's part of an engine (course.c): the last write run's figures, what its target counts, and
+ * the staging of GPU memory through a pinned host copy. */
+typedef struct fl_course_data {
     double elapsed_s;                  /* timed part of the last run */
     uint64_t timed_writes, timed_bytes;
-    uint64_t marked_writes;            /* writes of the last run that carried immediate data (fl_config.mark_last) */
+    uint64_t marked_writes;            /* writes of the last run that carried immediate data
+                                        * (fl_run_config.mark_last) */
     /* target side */
     int marks_only;                    /* 0: every write carries its sequence number and is counted per page
                                         * (the checking mode); 1: only the run's marked writes carry one
-                                        * (fl_config.mark_last), and the run is proved complete from them and
+                                        * (fl_run_config.mark_last), and the run is proved complete from them and
                                         * the writer's word (course.c) */
     volatile uint64_t writer_heard_ns; /* when the writer last said it is writing (set by the control
                                         * channel's reader; fl_now_ns); 0 = not yet this run */
@@ -151,16 +122,30 @@ typedef struct fl_engine {
     int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
     int (*stage_set_context)(void *context);
     void *stage_context;
-    /* service mode (fabriclab.Engine): per transfer id, FL_TRANSFER_FIELDS counters: writes still to
-     * finish, the first error (negative), and writes given up on that the provider may still be reading
-     * (a transfer is buffer-safe only once both counts are 0); arrivals carrying immediate data are counted per
-     * value (imm.h: NULL until fl_imm_attach). */
+} fl_course_data;
+
+/* The service's part of an engine (fabriclab.Engine, service.c): per transfer id, FL_TRANSFER_FIELDS
+ * counters: writes still to finish, the first error (negative), and writes given up on that the provider
+ * may still be reading (a transfer is buffer-safe only once both counts are 0); arrivals carrying immediate
+ * data are counted per value (imm.h: NULL until fl_imm_attach). */
+typedef struct fl_service_data {
     volatile int64_t *transfers;
     uint32_t transfer_capacity;
     void *imms;
     volatile int imm_watch;  /* someone waits for immediate data: wake fl_service_wait when it arrives */
     volatile uint32_t revive_epoch; /* bumped when a peer connects (fl_service_revive): service workers forget
                                      * dead paths and swap in the endpoints fl_nic_renew handed over */
+} fl_service_data;
+
+typedef struct fl_engine {
+    int nnics;
+    fl_nic *nics;
+    volatile int stop;                 /* set by Python (interrupt) or by a failing thread; cleared only by
+                                        * the caller before a run, so a stop asked for early still holds */
+    int error_code;                    /* negative libfabric/errno code of the first failure, or 0 */
+    char error[FL_ERROR_LEN];
+    fl_course_data course;             /* used only by course.c's loops */
+    fl_service_data service;           /* used only by the service (service.c, and the core's transfer counts) */
     void *state;                       /* engine-private */
 } fl_engine;
 

@@ -12,15 +12,15 @@
 
 /* Bind this thread to the CUDA context when memory is staged (a no-op otherwise). */
 static int staging_thread_setup(fl_engine *e) {
-    if (!e->stage_device_base) return 0;
-    int rc = e->stage_set_context(e->stage_context);
-    if (rc) fail(e, -FI_EIO, "cuCtxSetCurrent failed with CUDA error %d", rc);
+    if (!e->course.stage_device_base) return 0;
+    int rc = e->course.stage_set_context(e->course.stage_context);
+    if (rc) flc_fail(e, -FI_EIO, "cuCtxSetCurrent failed with CUDA error %d", rc);
     return rc;
 }
 
 static int stage_page(fl_engine *e, uint64_t dst_base, uint64_t src_base, uint64_t off, uint64_t len) {
-    int rc = e->stage_copy(dst_base + off, src_base + off, len);
-    if (rc) fail(e, -FI_EIO, "staging copy of %llu bytes failed with CUDA error %d", (unsigned long long)len, rc);
+    int rc = e->course.stage_copy(dst_base + off, src_base + off, len);
+    if (rc) flc_fail(e, -FI_EIO, "staging copy of %llu bytes failed with CUDA error %d", (unsigned long long)len, rc);
     return rc;
 }
 
@@ -49,18 +49,20 @@ static int warm_up(thread_ctx *t) {
             /* untimed: numbered after the run's writes, which are all a target counts */
             uint64_t seq = t->cfg->total_writes + (uint64_t)nic;
             uint32_t page = (uint32_t)(seq % t->pages);
-            if (t->e->stage_device_base && stage_page(t->e, t->e->stage_host_base, t->e->stage_device_base,
-                                                      (uint64_t)page * t->cfg->page_size, page_length(t->cfg, page)))
+            const fl_course_data *c = &t->e->course;
+            if (c->stage_device_base && stage_page(t->e, c->stage_host_base, c->stage_device_base,
+                                                   (uint64_t)page * t->cfg->page_size, page_length(t->cfg, page)))
                 return -1;
             fl_op op;
             page_op(t, nic, seq, &op);
-            int rc;
+            enum flc_post rc;
             t->last_progress_ns = fl_now_ns();
-            while ((rc = post_write(t, nic, &op, 0)) == 1) { /* a peer that never answers must not hang us */
+            /* a peer that never answers must not hang us */
+            while ((rc = post_write(t, nic, &op, 0)) == FLC_POST_AGAIN) {
                 if (poll_nic(t, nic) < 0 || stopping(t->e) || check_timeout(t, nic)) return -1;
                 if (t->e->nics[nic].down) break;
             }
-            if (rc < 0) return -1;
+            if (rc == FLC_POST_FAILED) return -1;
         }
     }
     t->last_progress_ns = fl_now_ns();
@@ -85,7 +87,7 @@ static int warm_up(thread_ctx *t) {
 static void *writer_thread(void *arg) {
     thread_ctx *t = arg;
     fl_engine *e = t->e;
-    const fl_config *cfg = t->cfg;
+    const fl_run_config *cfg = t->cfg;
     engine_state *st = t->st;
     pthread_setname_np(pthread_self(), "fl-writer"); /* lesson 12 finds its threads under /proc by this name */
     if (cfg->pin) {
@@ -93,7 +95,7 @@ static void *writer_thread(void *arg) {
         CPU_ZERO(&set);
         CPU_SET(cfg->cores[t->id], &set);
         int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-        if (rc) fail(e, -rc, "thread %d: cannot pin to core %d: %s", t->id, cfg->cores[t->id], strerror(rc));
+        if (rc) flc_fail(e, -rc, "thread %d: cannot pin to core %d: %s", t->id, cfg->cores[t->id], strerror(rc));
     }
     if (staging_thread_setup(e)) __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
     if (!stopping(e) && cfg->warmup && warm_up(t) < 0) __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
@@ -120,7 +122,7 @@ static void *writer_thread(void *arg) {
                 uint64_t seq = g->id + g->issued * (uint64_t)cfg->groups;
                 uint32_t page = (uint32_t)(seq % t->pages);
                 if (ring_full(&e->nics[nic])) break;
-                if (e->stage_device_base && stage_page(e, e->stage_host_base, e->stage_device_base,
+                if (e->course.stage_device_base && stage_page(e, e->course.stage_host_base, e->course.stage_device_base,
                                                        (uint64_t)page * cfg->page_size, page_length(cfg, page)))
                     goto out;
                 page_op(t, nic, seq, ring_slot(&e->nics[nic]));
@@ -163,8 +165,8 @@ out:
 
 /* Each group's NICs, its share of the run's writes and the first of them that is marked (marked_write: the
  * article marks each GPU's last writes, one per NIC, and the target waits for those); the run's marked
- * writes in e->marked_writes. 0, or -FI_EINVAL with the reason in e->error. */
-static int plan_groups(fl_engine *e, const fl_config *cfg, group *groups) {
+ * writes in e->course.marked_writes. 0, or -FI_EINVAL with the reason in e->error. */
+static int plan_groups(fl_engine *e, const fl_run_config *cfg, group *groups) {
     for (int i = 0; i < e->nnics; i++) {
         int g = e->nics[i].group;
         if (g < 0 || g >= cfg->groups) {
@@ -173,7 +175,7 @@ static int plan_groups(fl_engine *e, const fl_config *cfg, group *groups) {
         }
         groups[g].nics[groups[g].nnics++] = i;
     }
-    e->marked_writes = 0;
+    e->course.marked_writes = 0;
     for (int g = 0; g < cfg->groups; g++) {
         group *gr = &groups[g];
         gr->quota = cfg->total_writes / cfg->groups + ((uint64_t)g < cfg->total_writes % cfg->groups);
@@ -183,12 +185,12 @@ static int plan_groups(fl_engine *e, const fl_config *cfg, group *groups) {
         }
         uint64_t last = (uint64_t)gr->nnics < gr->quota ? (uint64_t)gr->nnics : gr->quota;
         gr->mark_from = cfg->mark_last ? gr->quota - last : 0;
-        e->marked_writes += gr->quota - gr->mark_from;
+        e->course.marked_writes += gr->quota - gr->mark_from;
     }
     return 0;
 }
 
-int fl_write_run(fl_engine *e, const fl_config *cfg) {
+int fl_write_run(fl_engine *e, const fl_run_config *cfg) {
     engine_state *st = e->state;
     e->error_code = 0;
     e->error[0] = 0;
@@ -197,7 +199,7 @@ int fl_write_run(fl_engine *e, const fl_config *cfg) {
         snprintf(e->error, FL_ERROR_LEN, "invalid engine configuration");
         return e->error_code = -FI_EINVAL;
     }
-    int rc = prepare_slots(e);
+    int rc = flc_prepare_slots(e);
     if (rc) return e->error_code = rc;
     atomic_store(&st->shared_posted, 0);
     atomic_store(&st->shared_finished, 0);
@@ -236,7 +238,7 @@ int fl_write_run(fl_engine *e, const fl_config *cfg) {
     pthread_barrier_init(&st->start_line, NULL, T);
     for (int t = 0; t < T; t++) {
         ctx[t].e = e;
-        ctx[t].cfg = cfg;
+        flc_run_posting(&ctx[t], cfg);
         ctx[t].st = st;
         ctx[t].id = t;
         ctx[t].pages = pages;
@@ -248,7 +250,7 @@ int fl_write_run(fl_engine *e, const fl_config *cfg) {
     for (; started < T; started++) {
         rc = pthread_create(&tids[started], NULL, writer_thread, &ctx[started]);
         if (rc) {
-            fail(e, -rc, "cannot start thread %d: %s", started, strerror(rc));
+            flc_fail(e, -rc, "cannot start thread %d: %s", started, strerror(rc));
             break;
         }
     }
@@ -266,9 +268,9 @@ int fl_write_run(fl_engine *e, const fl_config *cfg) {
     }
     for (int t = 0; t < T; t++)
         for (int g = 0; g < ctx[t].ngroups; g++) writes += ctx[t].groups[g].completed;
-    e->elapsed_s = last > first ? (double)(last - first) / 1e9 : 0.0;
-    e->timed_bytes = bytes;
-    e->timed_writes = writes;
+    e->course.elapsed_s = last > first ? (double)(last - first) / 1e9 : 0.0;
+    e->course.timed_bytes = bytes;
+    e->course.timed_writes = writes;
     free(regrouped);
     free(ctx);
     free(tids);
@@ -280,7 +282,7 @@ int fl_write_run(fl_engine *e, const fl_config *cfg) {
 /* The target of chapters 9-15 is the article's receiver: one thread reads every NIC's completion queue.
  *
  * What proves a run complete (marks_only, the stages' default). Only each group's last writes carry
- * immediate data (fl_config.mark_last), so only they make completions here. "Every NIC's last write has
+ * immediate data (fl_run_config.mark_last), so only they make completions here. "Every NIC's last write has
  * landed" proves the run complete only where a NIC's writes land in the order they were posted: fi_getinfo
  * says so with FI_ORDER_WAW or FI_ORDER_RMA_WAW in msg_order and an unbounded max_order_waw_size
  * (tcp;ofi_rxm here). It does not hold on EFA's RDM endpoints (SRD delivers out of order), nor on shm (tx
@@ -325,22 +327,22 @@ static int64_t take_arrivals(fl_engine *e, const struct fi_cq_data_entry *entrie
     for (ssize_t k = 0; k < got; k++) {
         if (!(entries[k].flags & FI_REMOTE_CQ_DATA)) continue;
         uint64_t seq = entries[k].data;
-        if (e->seen_writes) {
-            if (seq >= e->seen_capacity) continue; /* a warm-up write */
+        if (e->course.seen_writes) {
+            if (seq >= e->course.seen_capacity) continue; /* a warm-up write */
             uint64_t bit = 1ull << (seq & 63);
-            if (e->seen_writes[seq >> 6] & bit) {
-                e->duplicates++;
+            if (e->course.seen_writes[seq >> 6] & bit) {
+                e->course.duplicates++;
                 continue;
             }
-            e->seen_writes[seq >> 6] |= bit;
+            e->course.seen_writes[seq >> 6] |= bit;
         }
-        uint64_t page = e->pages ? seq % e->pages : seq;
-        if (!e->marks_only && page < e->pages) {
-            e->page_counts[page]++;
-            if (e->stage_device_base) {
-                uint64_t off = page * e->target_page_size, rest = e->target_buffer_bytes - off;
-                if (stage_page(e, e->stage_device_base, e->stage_host_base, off,
-                               rest < e->target_page_size ? rest : e->target_page_size))
+        uint64_t page = e->course.pages ? seq % e->course.pages : seq;
+        if (!e->course.marks_only && page < e->course.pages) {
+            e->course.page_counts[page]++;
+            if (e->course.stage_device_base) {
+                uint64_t off = page * e->course.target_page_size, rest = e->course.target_buffer_bytes - off;
+                if (stage_page(e, e->course.stage_device_base, e->course.stage_host_base, off,
+                               rest < e->course.target_page_size ? rest : e->course.target_page_size))
                     return -1;
             }
         }
@@ -362,31 +364,31 @@ static int read_queues(fl_engine *e, struct fi_cq_data_entry *entries) {
             char buf[256] = "";
             fi_cq_readerr(n->cq, &err, 0);
             n->errors++;
-            fail(e, -err.err, "target NIC %d: %s (%s)", i, fi_strerror(err.err),
-                 fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf));
+            flc_fail(e, -err.err, "target NIC %d: %s (%s)", i, fi_strerror(err.err),
+                     fi_cq_strerror(n->cq, err.prov_errno, err.err_data, buf, sizeof buf));
             return -1;
         }
         if (got < 0) {
-            fail(e, (int)got, "target NIC %d: fi_cq_read: %s", i, fi_strerror((int)-got));
+            flc_fail(e, (int)got, "target NIC %d: fi_cq_read: %s", i, fi_strerror((int)-got));
             return -1;
         }
         int64_t counted = take_arrivals(e, entries, got);
         if (counted < 0) return -1;
         n->arrivals += (uint64_t)counted;
-        e->arrivals += (uint64_t)counted;
+        e->course.arrivals += (uint64_t)counted;
         got_any = 1;
     }
     return got_any;
 }
 
 static void target_silent(fl_engine *e, uint64_t expected, double timeout_s) {
-    const char *what = e->marks_only ? "marked last writes" : "writes";
+    const char *what = e->course.marks_only ? "marked last writes" : "writes";
     if (expected != UINT64_MAX)
-        fail(e, -FI_ETIMEDOUT, "only %llu of the run's %llu %s arrived; nothing more for %.1f s",
-             (unsigned long long)e->arrivals, (unsigned long long)expected, what, timeout_s);
+        flc_fail(e, -FI_ETIMEDOUT, "only %llu of the run's %llu %s arrived; nothing more for %.1f s",
+                 (unsigned long long)e->course.arrivals, (unsigned long long)expected, what, timeout_s);
     else
-        fail(e, -FI_ETIMEDOUT, "the writer went silent mid-run: no write landed and no word came for %.1f s "
-             "(%llu %s had landed); is it gone?", timeout_s, (unsigned long long)e->arrivals, what);
+        flc_fail(e, -FI_ETIMEDOUT, "the writer went silent mid-run: no write landed and no word came for %.1f s "
+                 "(%llu %s had landed); is it gone?", timeout_s, (unsigned long long)e->course.arrivals, what);
 }
 
 static void *target_thread(void *arg) {
@@ -408,17 +410,17 @@ static void *target_thread(void *arg) {
         if (got_any < 0) return NULL;
         uint64_t now = fl_now_ns();
         if (got_any) {
-            if (!e->first_arrival_ns) e->first_arrival_ns = now;
-            last_arrival = e->last_arrival_ns = now;
+            if (!e->course.first_arrival_ns) e->course.first_arrival_ns = now;
+            last_arrival = e->course.last_arrival_ns = now;
             idle_passes = 0;
             sleep_ns = IDLE_SLEEP_MIN_NS;
         }
-        uint64_t expected = __atomic_load_n(&e->expected_arrivals, __ATOMIC_ACQUIRE);
-        if (e->arrivals >= expected) {
+        uint64_t expected = __atomic_load_n(&e->course.expected_arrivals, __ATOMIC_ACQUIRE);
+        if (e->course.arrivals >= expected) {
             complete = 1;
             break;
         }
-        uint64_t heard = __atomic_load_n(&e->writer_heard_ns, __ATOMIC_RELAXED);
+        uint64_t heard = __atomic_load_n(&e->course.writer_heard_ns, __ATOMIC_RELAXED);
         if (heard && !first_word) first_word = heard;
         uint64_t alive = heard > last_arrival ? heard : last_arrival;
         if (alive && now > alive && now - alive > t->timeout_ns) {
@@ -435,26 +437,26 @@ static void *target_thread(void *arg) {
         sleep_ns = sleep_ns * 2 < IDLE_SLEEP_MAX_NS ? sleep_ns * 2 : IDLE_SLEEP_MAX_NS;
     }
     /* landed_s in the article's mode: from the writer's first word, as no earlier write announces itself */
-    if (e->marks_only && first_word) e->first_arrival_ns = first_word;
+    if (e->course.marks_only && first_word) e->course.first_arrival_ns = first_word;
     /* staged GPU memory: the article's receiver copies what landed once, after the run */
-    if (complete && e->marks_only && e->stage_device_base)
-        stage_page(e, e->stage_device_base, e->stage_host_base, 0, e->target_buffer_bytes);
+    if (complete && e->course.marks_only && e->course.stage_device_base)
+        stage_page(e, e->course.stage_device_base, e->course.stage_host_base, 0, e->course.target_buffer_bytes);
     return NULL;
 }
 
 int fl_target_run(fl_engine *e, int core, int manual_progress, double timeout_s) {
     e->error_code = 0;
     e->error[0] = 0;
-    if ((!e->marks_only && !e->page_counts) || !(timeout_s > 0)) {
+    if ((!e->course.marks_only && !e->course.page_counts) || !(timeout_s > 0)) {
         snprintf(e->error, FL_ERROR_LEN, "invalid target configuration");
         return e->error_code = -FI_EINVAL;
     }
-    e->first_arrival_ns = e->last_arrival_ns = 0;
+    e->course.first_arrival_ns = e->course.last_arrival_ns = 0;
     target_ctx ctx = {e, core, manual_progress, (uint64_t)(timeout_s * 1e9)};
     pthread_t tid;
     int rc = pthread_create(&tid, NULL, target_thread, &ctx);
     if (rc) {
-        fail(e, -rc, "cannot start the target thread: %s", strerror(rc));
+        flc_fail(e, -rc, "cannot start the target thread: %s", strerror(rc));
         return e->error_code;
     }
     pthread_join(tid, NULL);

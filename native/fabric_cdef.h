@@ -252,15 +252,7 @@ typedef struct fl_nic {
     uint32_t ring_head, ring_tail;
     ...;
 } fl_nic;
-typedef struct fl_config {
-    int threads; int groups; int warmup; int pin; int shard; int pad; int batch; int lazy; int fi_more; int mark_last;
-    int cores[...];
-    uint64_t total_writes; uint64_t page_size; uint64_t buffer_bytes; uint64_t local_base; double timeout_s;
-    double link_timeout_s;
-    ...;
-} fl_config;
-typedef struct fl_engine {
-    int nnics; fl_nic *nics; volatile int stop; int error_code; char error[...];
+typedef struct fl_course_data {
     double elapsed_s; uint64_t timed_writes, timed_bytes; uint64_t marked_writes;
     int marks_only; volatile uint64_t writer_heard_ns;
     uint32_t *page_counts; uint64_t pages; uint64_t *seen_writes; uint64_t seen_capacity; volatile uint64_t duplicates;
@@ -271,9 +263,17 @@ typedef struct fl_engine {
     int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
     int (*stage_set_context)(void *context);
     void *stage_context;
+    ...;
+} fl_course_data;
+typedef struct fl_service_data {
     volatile int64_t *transfers; uint32_t transfer_capacity;
     void *imms; volatile int imm_watch;
     volatile uint32_t revive_epoch;
+    ...;
+} fl_service_data;
+typedef struct fl_engine {
+    int nnics; fl_nic *nics; volatile int stop; int error_code; char error[...];
+    fl_course_data course; fl_service_data service;
     ...;
 } fl_engine;
 fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity);
@@ -294,7 +294,14 @@ uint64_t fl_lane_drain(fl_engine *e, uint32_t lane);
 void fl_imm_usage_get(fl_engine *e, fl_imm_usage *out);
 
 /* ------------------------------------------------------------- the course's run loops (course.h) */
-int fl_write_run(fl_engine *e, const fl_config *cfg);
+typedef struct fl_run_config {
+    int threads; int groups; int warmup; int pin; int shard; int pad; int batch; int lazy; int fi_more; int mark_last;
+    int cores[...];
+    uint64_t total_writes; uint64_t page_size; uint64_t buffer_bytes; uint64_t local_base; double timeout_s;
+    double link_timeout_s;
+    ...;
+} fl_run_config;
+int fl_write_run(fl_engine *e, const fl_run_config *cfg);
 int fl_target_run(fl_engine *e, int core, int manual_progress, double timeout_s);
 
 /* ---------------------------------------------------------- the library's service (service.h) */
@@ -303,7 +310,11 @@ typedef struct fl_request {
     const uint64_t *lengths; uint64_t length; uint64_t count; uint64_t imm; uint32_t transfer; uint32_t first_nic;
     uint32_t pages_in_imm; const uint16_t *nic_order; uint32_t nic_count;
 } fl_request;
-int fl_service_start(fl_engine *e, const fl_config *cfg);
+typedef struct fl_service_config {
+    int threads; int batch; int fi_more; int pin; int cores[...]; double timeout_s; double link_timeout_s;
+    ...;
+} fl_service_config;
+int fl_service_start(fl_engine *e, const fl_service_config *cfg);
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
 void fl_service_wake(fl_engine *e);

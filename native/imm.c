@@ -38,36 +38,36 @@ typedef struct imm_table {
     _Atomic uint64_t lanes[FL_IMM_LANES];
 } imm_table;
 
-static inline uint64_t key_of(uint64_t word) { return word >> FL_IMM_COUNT_BITS; }
+static inline uint64_t flc_imm_key_of(uint64_t word) { return word >> FL_IMM_COUNT_BITS; }
 
-static inline uint32_t home(const imm_table *t, uint64_t key) {
+static inline uint32_t flc_imm_home(const imm_table *t, uint64_t key) {
     return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> t->shift); /* Fibonacci hashing: the high bits */
 }
 
 /* The slot holding `key` (and its word, as read), or -1. Safe without the lock: a miss there is settled
  * under it. */
-static int64_t find_word(imm_table *t, uint64_t key, uint64_t *word) {
-    uint32_t mask = t->slots - 1, i = home(t, key);
+static int64_t flc_imm_find_word(imm_table *t, uint64_t key, uint64_t *word) {
+    uint32_t mask = t->slots - 1, i = flc_imm_home(t, key);
     for (uint32_t probe = 0; probe < t->slots; probe++, i = (i + 1) & mask) {
         *word = atomic_load_explicit(&t->words[i], memory_order_acquire);
         if (*word == 0) return -1;
-        if (key_of(*word) == key) return i;
+        if (flc_imm_key_of(*word) == key) return i;
     }
     return -1;
 }
 
-static int64_t find(imm_table *t, uint64_t key) {
+static int64_t flc_imm_find(imm_table *t, uint64_t key) {
     uint64_t word;
-    return find_word(t, key, &word);
+    return flc_imm_find_word(t, key, &word);
 }
 
 /* Add `pages` to the slot of `key` if it holds one: 1; 0 when it holds none (or lost it meanwhile); -1 when
  * the count would pass FL_IMM_MAX_COUNT. */
-static int add_if_held(imm_table *t, uint64_t key, uint64_t pages) {
+static int flc_imm_add_if_held(imm_table *t, uint64_t key, uint64_t pages) {
     uint64_t word;
-    int64_t i = find_word(t, key, &word);
+    int64_t i = flc_imm_find_word(t, key, &word);
     if (i < 0) return 0;
-    while (key_of(word) == key) {
+    while (flc_imm_key_of(word) == key) {
         if ((word & COUNT_MASK) + pages > COUNT_MASK) return -1;
         if (atomic_compare_exchange_weak_explicit(&t->words[i], &word, word + pages, memory_order_acq_rel,
                                                   memory_order_acquire))
@@ -77,8 +77,8 @@ static int add_if_held(imm_table *t, uint64_t key, uint64_t pages) {
 }
 
 /* Put `word` in the first free slot of its key's probe sequence (the key holds none). Under the lock. */
-static uint32_t place(imm_table *t, uint64_t word, uint32_t waiters) {
-    uint32_t mask = t->slots - 1, i = home(t, key_of(word));
+static uint32_t flc_imm_place(imm_table *t, uint64_t word, uint32_t waiters) {
+    uint32_t mask = t->slots - 1, i = flc_imm_home(t, flc_imm_key_of(word));
     for (;;) {
         uint64_t seen = atomic_load_explicit(&t->words[i], memory_order_relaxed);
         if (seen == 0 || seen == TOMB) {
@@ -95,12 +95,12 @@ static uint32_t place(imm_table *t, uint64_t word, uint32_t waiters) {
 /* Searches end at a never-used slot: once held and given-up slots fill three quarters of the table, put the
  * held ones back afresh. At most `most` are held (half the slots), so this comes at most once per quarter of
  * the table's slots claimed. Under the lock. */
-static void rebuild_if_crowded(imm_table *t) {
+static void flc_imm_rebuild_if_crowded(imm_table *t) {
     if ((uint64_t)(t->live + t->tombs + 1) * 4 <= (uint64_t)t->slots * 3) return;
     uint32_t n = 0;
     for (uint32_t i = 0; i < t->slots; i++) {
         uint64_t word = atomic_exchange_explicit(&t->words[i], TOMB, memory_order_acq_rel);
-        if (key_of(word)) {
+        if (flc_imm_key_of(word)) {
             t->moving[n] = word;
             t->moving_waiters[n++] = t->waiters[i];
         }
@@ -110,22 +110,22 @@ static void rebuild_if_crowded(imm_table *t) {
         atomic_store_explicit(&t->words[i], 0, memory_order_release);
     }
     t->live = t->tombs = 0;
-    for (uint32_t k = 0; k < n; k++) place(t, t->moving[k], t->moving_waiters[k]);
+    for (uint32_t k = 0; k < n; k++) flc_imm_place(t, t->moving[k], t->moving_waiters[k]);
 }
 
 /* The slot of `key`, claimed (count 0) when it holds none: -1 when every slot is held. Under the lock. */
-static int64_t hold(imm_table *t, uint64_t key) {
-    int64_t i = find(t, key);
+static int64_t flc_imm_hold(imm_table *t, uint64_t key) {
+    int64_t i = flc_imm_find(t, key);
     if (i >= 0) return i;
     if (t->live >= t->most) return -1;
-    rebuild_if_crowded(t);
-    return place(t, key << FL_IMM_COUNT_BITS, 0);
+    flc_imm_rebuild_if_crowded(t);
+    return flc_imm_place(t, key << FL_IMM_COUNT_BITS, 0);
 }
 
 /* Give up slot `i` if nothing awaits it and it holds no arrival (an add that comes first keeps it). */
-static void give_up_if_idle(imm_table *t, uint32_t i) {
+static void flc_imm_give_up_if_idle(imm_table *t, uint32_t i) {
     uint64_t word = atomic_load_explicit(&t->words[i], memory_order_acquire);
-    if (t->waiters[i] || (word & COUNT_MASK) || !key_of(word)) return;
+    if (t->waiters[i] || (word & COUNT_MASK) || !flc_imm_key_of(word)) return;
     if (atomic_compare_exchange_strong_explicit(&t->words[i], &word, TOMB, memory_order_acq_rel,
                                                 memory_order_acquire)) {
         t->live--;
@@ -133,7 +133,7 @@ static void give_up_if_idle(imm_table *t, uint32_t i) {
     }
 }
 
-static void mark_lost(imm_table *t, uint64_t value) {
+static void flc_imm_mark_lost(imm_table *t, uint64_t value) {
     atomic_fetch_add_explicit(&t->lost_arrivals, 1, memory_order_relaxed);
     t->last_lost = value;
     uint8_t bit = (uint8_t)(1u << (value & 7));
@@ -144,18 +144,18 @@ static void mark_lost(imm_table *t, uint64_t value) {
 }
 
 /* Count `pages` of caller value `value`: FL_IMM_OK, or FL_IMM_LOST (marked). */
-static int add(imm_table *t, uint64_t value, uint64_t pages) {
+static int flc_imm_add(imm_table *t, uint64_t value, uint64_t pages) {
     uint64_t key = value + 1;
-    int done = add_if_held(t, key, pages);
+    int done = flc_imm_add_if_held(t, key, pages);
     if (done > 0) return FL_IMM_OK;
     pthread_mutex_lock(&t->lock);
-    done = done < 0 ? -1 : add_if_held(t, key, pages); /* another thread may have claimed it meanwhile */
+    done = done < 0 ? -1 : flc_imm_add_if_held(t, key, pages); /* another thread may have claimed it meanwhile */
     if (done == 0) {
-        int64_t i = hold(t, key);
+        int64_t i = flc_imm_hold(t, key);
         done = i < 0 ? -1 : 1;
         if (i >= 0) atomic_fetch_add_explicit(&t->words[i], pages, memory_order_acq_rel);
     }
-    if (done < 0) mark_lost(t, value);
+    if (done < 0) flc_imm_mark_lost(t, value);
     pthread_mutex_unlock(&t->lock);
     return done < 0 ? FL_IMM_LOST : FL_IMM_OK;
 }
@@ -164,8 +164,8 @@ static int add(imm_table *t, uint64_t value, uint64_t pages) {
  * lost (someone waiting should look), 0 when it is not a count of ours. A write counts as the pages it
  * carries; a landing lane's once, for its lane. The wire carries 32 bits: more come only from a foreign
  * writer, and are not ours to read. */
-int count_imm(fl_engine *e, uint64_t imm) {
-    imm_table *t = e->imms;
+int flc_count_imm(fl_engine *e, uint64_t imm) {
+    imm_table *t = e->service.imms;
     imm &= 0xffffffffull;
     if (!t || imm == FL_NO_IMM) return 0;
     uint64_t value = imm & VALUE_MASK, high = imm >> FL_IMM_VALUE_BITS;
@@ -173,16 +173,16 @@ int count_imm(fl_engine *e, uint64_t imm) {
         atomic_fetch_add_explicit(&t->lanes[high], 1, memory_order_acq_rel);
         return 1;
     }
-    add(t, value, high + 1);
+    flc_imm_add(t, value, high + 1);
     return 1;
 }
 
 int fl_imm_attach(fl_engine *e, uint32_t most) {
-    if (e->imms || most == 0 || most > MAX_MOST) return -FI_EINVAL;
+    if (e->service.imms || most == 0 || most > MAX_MOST) return -FI_EINVAL;
     imm_table *t = calloc(1, sizeof *t);
     if (!t) return -FI_ENOMEM;
     pthread_mutex_init(&t->lock, NULL);
-    e->imms = t;
+    e->service.imms = t;
     t->most = most;
     t->slots = 2;
     t->shift = 63;
@@ -196,12 +196,12 @@ int fl_imm_attach(fl_engine *e, uint32_t most) {
     t->moving_waiters = calloc(most, sizeof *t->moving_waiters);
     t->lost = calloc((VALUE_MASK + 1) / 8, 1); /* 2 MiB, untouched (no memory) until a value is lost */
     if (t->words && t->waiters && t->moving && t->moving_waiters && t->lost) return 0;
-    imm_detach(e);
+    flc_imm_detach(e);
     return -FI_ENOMEM;
 }
 
-void imm_detach(fl_engine *e) {
-    imm_table *t = e->imms;
+void flc_imm_detach(fl_engine *e) {
+    imm_table *t = e->service.imms;
     if (!t) return;
     pthread_mutex_destroy(&t->lock);
     free((void *)t->words);
@@ -210,16 +210,16 @@ void imm_detach(fl_engine *e) {
     free(t->moving_waiters);
     free(t->lost);
     free(t);
-    e->imms = NULL;
+    e->service.imms = NULL;
 }
 
-static inline int caller_value(const fl_engine *e, uint32_t value) {
-    return e->imms && value < FL_LANDING_VALUE;
+static inline int flc_imm_caller_value(const fl_engine *e, uint32_t value) {
+    return e->service.imms && value < FL_LANDING_VALUE;
 }
 
 int fl_imm_await(fl_engine *e, uint32_t value, int report_lost) {
-    if (!caller_value(e, value)) return FL_IMM_BAD;
-    imm_table *t = e->imms;
+    if (!flc_imm_caller_value(e, value)) return FL_IMM_BAD;
+    imm_table *t = e->service.imms;
     int status = FL_IMM_OK;
     pthread_mutex_lock(&t->lock);
     uint8_t bit = (uint8_t)(1u << (value & 7));
@@ -228,7 +228,7 @@ int fl_imm_await(fl_engine *e, uint32_t value, int report_lost) {
         t->lost_values--;
         status = FL_IMM_LOST;
     } else {
-        int64_t i = hold(t, value + 1ull);
+        int64_t i = flc_imm_hold(t, value + 1ull);
         if (i < 0) status = FL_IMM_FULL;
         else t->waiters[i]++;
     }
@@ -237,31 +237,31 @@ int fl_imm_await(fl_engine *e, uint32_t value, int report_lost) {
 }
 
 void fl_imm_release(fl_engine *e, uint32_t value) {
-    if (!caller_value(e, value)) return;
-    imm_table *t = e->imms;
+    if (!flc_imm_caller_value(e, value)) return;
+    imm_table *t = e->service.imms;
     pthread_mutex_lock(&t->lock);
-    int64_t i = find(t, value + 1ull);
+    int64_t i = flc_imm_find(t, value + 1ull);
     if (i >= 0 && t->waiters[i]) {
         t->waiters[i]--;
-        give_up_if_idle(t, (uint32_t)i);
+        flc_imm_give_up_if_idle(t, (uint32_t)i);
     }
     pthread_mutex_unlock(&t->lock);
 }
 
 int fl_imm_take(fl_engine *e, uint32_t value, uint64_t count) {
-    if (!caller_value(e, value) || count > COUNT_MASK) return 0;
-    imm_table *t = e->imms;
+    if (!flc_imm_caller_value(e, value) || count > COUNT_MASK) return 0;
+    imm_table *t = e->service.imms;
     uint64_t key = value + 1ull;
     int took = 0;
     pthread_mutex_lock(&t->lock);
-    int64_t i = find(t, key);
+    int64_t i = flc_imm_find(t, key);
     if (i >= 0) {
         uint64_t word = atomic_load_explicit(&t->words[i], memory_order_acquire);
-        while (key_of(word) == key && (word & COUNT_MASK) >= count) {
+        while (flc_imm_key_of(word) == key && (word & COUNT_MASK) >= count) {
             if (atomic_compare_exchange_weak_explicit(&t->words[i], &word, word - count, memory_order_acq_rel,
                                                       memory_order_acquire)) {
                 took = 1;
-                give_up_if_idle(t, (uint32_t)i);
+                flc_imm_give_up_if_idle(t, (uint32_t)i);
                 break;
             }
         }
@@ -271,12 +271,12 @@ int fl_imm_take(fl_engine *e, uint32_t value, uint64_t count) {
 }
 
 int fl_imm_credit(fl_engine *e, uint32_t value, uint64_t count) {
-    if (!caller_value(e, value)) return FL_IMM_BAD;
-    return count ? add(e->imms, value, count) : FL_IMM_OK;
+    if (!flc_imm_caller_value(e, value)) return FL_IMM_BAD;
+    return count ? flc_imm_add(e->service.imms, value, count) : FL_IMM_OK;
 }
 
 int fl_lane_take(fl_engine *e, uint32_t lane, uint64_t count) {
-    imm_table *t = e->imms;
+    imm_table *t = e->service.imms;
     if (!t || lane >= FL_IMM_LANES) return 0;
     uint64_t have = atomic_load_explicit(&t->lanes[lane], memory_order_acquire);
     while (have >= count)
@@ -287,13 +287,13 @@ int fl_lane_take(fl_engine *e, uint32_t lane, uint64_t count) {
 }
 
 uint64_t fl_lane_drain(fl_engine *e, uint32_t lane) {
-    imm_table *t = e->imms;
+    imm_table *t = e->service.imms;
     if (!t || lane >= FL_IMM_LANES) return 0;
     return atomic_exchange_explicit(&t->lanes[lane], 0, memory_order_acq_rel);
 }
 
 void fl_imm_usage_get(fl_engine *e, fl_imm_usage *out) {
-    imm_table *t = e->imms;
+    imm_table *t = e->service.imms;
     *out = (fl_imm_usage){0};
     if (!t) return;
     pthread_mutex_lock(&t->lock);

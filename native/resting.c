@@ -35,12 +35,12 @@
 #define REST_TIMER_SLACK_NS 5000 /* naps of REST_MIN_NS would last 70 us with the default 50 us of slack */
 #define ARRIVAL_STAMP_NS 100000ull /* how stale the engine's last-arrival time may get while writes land */
 
-void rest_begin(rest_state *r) {
+void flc_rest_begin(rest_state *r) {
     prctl(PR_SET_TIMERSLACK, REST_TIMER_SLACK_NS, 0, 0, 0); /* this thread's timers only */
     *r = (rest_state){.quiet_since = fl_now_ns()};
 }
 
-void wake_worker(engine_state *st, int w) {
+void flc_wake_worker(engine_state *st, int w) {
     inbox *box = &st->inboxes[w];
     /* pairs with rest_worker's fence: either the worker sees the new work before it sleeps, or this sees
      * `resting` set */
@@ -50,7 +50,7 @@ void wake_worker(engine_state *st, int w) {
 }
 
 /* One nap of `ns`, unless something to do came in meanwhile. */
-static void rest_worker(thread_ctx *t, uint64_t ns) {
+static void flc_rest_worker(thread_ctx *t, uint64_t ns) {
     engine_state *st = t->st;
     inbox *box = &st->inboxes[t->id];
     atomic_store(&box->resting, 1);
@@ -58,7 +58,7 @@ static void rest_worker(thread_ctx *t, uint64_t ns) {
     int work = atomic_load_explicit(&box->tail, memory_order_relaxed) !=
                    atomic_load_explicit(&box->head, memory_order_relaxed) ||
                atomic_load_explicit(&st->park_request[t->id], memory_order_relaxed) || stopping(t->e) ||
-               __atomic_load_n(&t->e->revive_epoch, __ATOMIC_RELAXED) != t->revive_seen;
+               __atomic_load_n(&t->e->service.revive_epoch, __ATOMIC_RELAXED) != t->revive_seen;
     if (!work) {
         struct timespec nap = {(time_t)(ns / 1000000000ull), (long)(ns % 1000000000ull)};
         syscall(SYS_futex, &box->resting, FUTEX_WAIT_PRIVATE, 1, &nap, NULL, 0);
@@ -68,15 +68,15 @@ static void rest_worker(thread_ctx *t, uint64_t ns) {
 
 /* A peer's write landed on this worker's NICs: the engine's workers keep polling. The shared time is
  * written at most once per ARRIVAL_STAMP_NS. */
-static void stamp_arrival(thread_ctx *t) {
+static void flc_stamp_arrival(thread_ctx *t) {
     uint64_t now = fl_now_ns();
     t->incoming = 0;
     if (now - atomic_load_explicit(&t->st->last_arrival_ns, memory_order_relaxed) > ARRIVAL_STAMP_NS)
         atomic_store_explicit(&t->st->last_arrival_ns, now, memory_order_relaxed);
 }
 
-void rest_after_pass(thread_ctx *t, rest_state *r, int busy, uint32_t outstanding) {
-    if (t->incoming) stamp_arrival(t);
+void flc_rest_after_pass(thread_ctx *t, rest_state *r, int busy, uint32_t outstanding) {
+    if (t->incoming) flc_stamp_arrival(t);
     if (busy) {
         r->idle = r->waiting = 0;
         return;
@@ -99,11 +99,11 @@ void rest_after_pass(thread_ctx *t, rest_state *r, int busy, uint32_t outstandin
         return;
     }
     uint64_t nap = (now - calm) / 4;
-    rest_worker(t, nap < REST_MIN_NS ? REST_MIN_NS : nap > REST_MAX_NS ? REST_MAX_NS : nap);
+    flc_rest_worker(t, nap < REST_MIN_NS ? REST_MIN_NS : nap > REST_MAX_NS ? REST_MAX_NS : nap);
     r->idle = 127; /* after the nap, one pass and then the next nap (or back to work) */
 }
 
-uint32_t awake_turn(const fl_engine *e, const fl_request *r, uint32_t turn, uint32_t span) {
+uint32_t flc_awake_turn(const fl_engine *e, const fl_request *r, uint32_t turn, uint32_t span) {
     engine_state *st = e->state;
     for (uint32_t k = 0; k < span; k++) {
         uint32_t at = (turn + k) % span, nic = r->nic_order ? r->nic_order[at] : at;

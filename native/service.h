@@ -3,11 +3,25 @@
 #define FABRICLAB_SERVICE_H
 #include "core.h"
 
+/* How the service's workers post: `threads` workers (worker w owns the NICs whose fl_nic.group is w), each
+ * moving up to 64 * `batch` writes from its inbox per pass and pinned to cores[w] with `pin`. */
+typedef struct fl_service_config {
+    int threads;
+    int batch;
+    int fi_more;            /* FI_MORE on all but the last write of each run posted to one NIC */
+    int pin;
+    int cores[FL_MAX_THREADS];
+    double timeout_s;       /* the longest a flush write waits for the provider to take it */
+    double link_timeout_s;  /* no completion on a NIC with writes in flight for this long: the paths of those
+                             * writes are down, and their writes go over other NICs (0: never). With
+                             * failover on, writes ask for FI_DELIVERY_COMPLETE */
+} fl_service_config;
+
 /* Service mode: worker threads that post what fl_service_submit hands them, reap completions (counting
  * them against their transfer) and count arriving immediate data, until fl_service_stop. Worker w owns
  * the NICs whose fl_nic.group is w (fabriclab.nics.group_nics: grouped by topology): set every NIC's group,
  * in 0..threads-1, before starting. */
-int fl_service_start(fl_engine *e, const fl_config *cfg);
+int fl_service_start(fl_engine *e, const fl_service_config *cfg);
 /* One request of fabriclab.Engine: `count` writes, write i from local_base + src[i] * stride to
  * dst[i] * stride of the peer's region, lengths[i] bytes (or `length` when lengths is NULL), over NIC
  * (first_nic + i) % nnics through routes[that NIC] — or, with `nic_order`, over NIC

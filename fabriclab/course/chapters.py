@@ -289,13 +289,12 @@ def counter_update_ns(threads: int = 2, updates: int = 2_000_000, rounds: int = 
     core where there are enough, update their counter ``updates`` times; layouts interleaved ``rounds``
     times. Returns layout → list of ns per update."""
     import os
-    from .._fabric import ffi, lib
+    from .. import _native
     cores = sorted(os.sched_getaffinity(0))[:threads]
-    pinned = ffi.new("int[]", cores)
     out = {name: [] for name in COUNTER_LAYOUTS}
     for _ in range(rounds):
         for name, layout in COUNTER_LAYOUTS.items():
-            ns = lib.fl_counter_bench(getattr(lib, layout), threads, updates, pinned, len(cores))
+            ns = _native.counter_update_ns(layout, threads, updates, cores)
             if ns < 0:
                 raise fi.UsageError(f"counter benchmark refused {threads} threads x {updates} updates")
             out[name].append(ns)

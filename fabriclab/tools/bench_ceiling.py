@@ -43,17 +43,17 @@ def memcpy_rate(nbytes: int, threads: int = 1, repeats: int = 3) -> dict:
     COPY_FLOOR_BYTES and twice the last-level cache; at most 256 MiB a thread), allocated and touched by
     that thread beforehand, all started together ``repeats`` times. Returns {"gbps": the best repeat,
     "runs": every repeat's Gbps, "method": how it was measured, in words}."""
-    from .._fabric import ffi, lib
+    from .. import _native
     total = max(nbytes, COPY_FLOOR_BYTES, 2 * last_level_cache_bytes())
     per_thread = max(1, min(total // threads, 256 << 20))
     allowed = sorted(os.sched_getaffinity(0))
     cores = [c for c in allowed if c != 0] + [c for c in allowed if c == 0]  # core 0 last, as worker_cores
-    runs = ffi.new("double[]", repeats)
-    if lib.fl_memcpy_rate(threads, per_thread, repeats, ffi.new("int[]", cores), len(cores), runs) != 0:
+    runs = _native.memcpy_rate(threads, per_thread, repeats, cores)
+    if runs is None:
         raise fi.UsageError(f"the memcpy ceiling could not run {threads} threads x {cli.format_size(per_thread)} "
                             f"(too many threads, or not enough memory): use fewer threads or a smaller size")
     pinned = "each on its own core" if threads <= len(cores) else f"sharing {len(cores)} cores"
-    return {"gbps": max(runs), "runs": list(runs),
+    return {"gbps": max(runs), "runs": runs,
             "method": f"C memcpy, {threads} pthread{'s' if threads > 1 else ''} {pinned}, each copying its own "
                       f"warmed {cli.format_size(per_thread)}, started together; best of {repeats}"}
 

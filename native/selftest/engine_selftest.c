@@ -80,11 +80,11 @@ static void *run_target(void *arg) {
 /* One write run of every page into the target, its loop in a thread until `expected` writes (or marks) landed;
  * nonzero if either side failed or the bytes differ. */
 static int run_once(side *writer, side *target, int mark_last, uint64_t expected) {
-    target->engine->expected_arrivals = expected;
-    target->engine->arrivals = 0;
+    target->engine->course.expected_arrivals = expected;
+    target->engine->course.arrivals = 0;
     pthread_t tid;
     pthread_create(&tid, NULL, run_target, target->engine);
-    fl_config cfg = {.threads = 2, .groups = 2, .warmup = 0, .pin = 0, .shard = 1, .pad = 1, .batch = 16,
+    fl_run_config cfg = {.threads = 2, .groups = 2, .warmup = 0, .pin = 0, .shard = 1, .pad = 1, .batch = 16,
                      .lazy = 1, .fi_more = 1, .mark_last = mark_last, .total_writes = PAGES, .page_size = PAGE,
                      .buffer_bytes = (uint64_t)PAGES * PAGE, .local_base = (uint64_t)(uintptr_t)writer->buffer,
                      .timeout_s = 10.0};
@@ -120,20 +120,20 @@ int main(void) {
         writer.engine->nics[i].rkey = fi_mr_key(target.mr);
     }
     uint32_t counts[PAGES] = {0};
-    target.engine->page_counts = counts;
-    target.engine->pages = PAGES;
+    target.engine->course.page_counts = counts;
+    target.engine->course.pages = PAGES;
     int bad = run_once(&writer, &target, 0, PAGES);
     for (int p = 0; p < PAGES; p++) bad |= counts[p] != 1;
-    printf("engine selftest: %llu writes, %s\n", (unsigned long long)writer.engine->timed_writes, bad ? "FAILED" : "ok");
+    printf("engine selftest: %llu writes, %s\n", (unsigned long long)writer.engine->course.timed_writes, bad ? "FAILED" : "ok");
     /* the article's receiver: 2 groups of 2 NICs, so each group's last 2 writes are marked */
     for (size_t i = 0; i < (size_t)PAGES * PAGE; i++) writer.buffer[i] = (char)(i * 13 + 5);
     memset(target.buffer, 0, (size_t)PAGES * PAGE);
-    target.engine->marks_only = 1;
-    int marks_bad = run_once(&writer, &target, 1, 4) || writer.engine->marked_writes != 4 ||
-                    target.engine->arrivals != 4;
+    target.engine->course.marks_only = 1;
+    int marks_bad = run_once(&writer, &target, 1, 4) || writer.engine->course.marked_writes != 4 ||
+                    target.engine->course.arrivals != 4;
     for (int p = 0; p < PAGES; p++) marks_bad |= counts[p] != 1; /* marks are not counted per page */
     printf("engine selftest, last writes marked: %llu writes, %llu marks, %s\n",
-           (unsigned long long)writer.engine->timed_writes, (unsigned long long)target.engine->arrivals,
+           (unsigned long long)writer.engine->course.timed_writes, (unsigned long long)target.engine->course.arrivals,
            marks_bad ? "FAILED" : "ok");
     bad |= marks_bad;
     close_side(&writer);

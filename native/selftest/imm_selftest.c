@@ -37,8 +37,8 @@ static void *worker(void *arg) {
         while (v >= atomic_load(&taken_upto) + WINDOW) sched_yield();
         for (uint64_t left = pages_of(v); left;) {
             uint64_t pages = left >= 2 ? 2 : 1;
-            count_imm(E, value_of(v) | ((pages - 1) << FL_IMM_VALUE_BITS));
-            count_imm(E, (me << FL_IMM_VALUE_BITS) | FL_LANDING_VALUE); /* and a write into landing lane `me` */
+            flc_count_imm(E, value_of(v) | ((pages - 1) << FL_IMM_VALUE_BITS));
+            flc_count_imm(E, (me << FL_IMM_VALUE_BITS) | FL_LANDING_VALUE); /* and a write into landing lane `me` */
             left -= pages;
         }
     }
@@ -97,7 +97,7 @@ static void *stream_one_value(void *arg) {
     for (uint64_t i = 0; i < VALUES; i++) {
         for (int spins = 1; atomic_load(&taken_upto) < i; spins++) /* in step: page i lands as page i - 1 is */
             if (spins % 1024 == 0) sched_yield();                     /* released, its slot given up */
-        count_imm(E, 7);
+        flc_count_imm(E, 7);
     }
     return arg;
 }
@@ -125,7 +125,7 @@ static void one_value_taken_as_it_streams(void) {
 
 /* Values nobody takes fill the table: what cannot be counted is reported, never dropped in silence. */
 static void full_table(void) {
-    for (uint32_t v = 0; v < MOST + 5; v++) count_imm(E, v);
+    for (uint32_t v = 0; v < MOST + 5; v++) flc_count_imm(E, v);
     fl_imm_usage usage;
     fl_imm_usage_get(E, &usage);
     CHECK(usage.values == MOST && usage.lost == 5 && usage.lost_values == 5 && usage.last_lost == MOST + 4,
@@ -165,7 +165,7 @@ typedef struct { uint64_t counts; double ns; } bench_job;
 static void *bench_worker(void *arg) {
     bench_job *job = arg;
     uint64_t start = cpu_ns();
-    for (uint64_t i = 0; i < job->counts; i++) count_imm(E, i % 32);
+    for (uint64_t i = 0; i < job->counts; i++) flc_count_imm(E, i % 32);
     job->ns = (double)(cpu_ns() - start) / (double)job->counts;
     return NULL;
 }
@@ -198,7 +198,7 @@ static double bench_distinct(uint64_t counts) {
         fresh(1 << 16);
         uint64_t start = cpu_ns();
         for (uint64_t i = 0; i < counts; i++) {
-            count_imm(E, i % FL_LANDING_VALUE);
+            flc_count_imm(E, i % FL_LANDING_VALUE);
             if (i >= 32) fl_imm_take(E, (uint32_t)((i - 32) % FL_LANDING_VALUE), 1); /* 32 values wait at once */
         }
         double ns = (double)(cpu_ns() - start) / (double)counts;
