@@ -93,7 +93,8 @@ static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t 
 }
 
 /* The target side, filling buf from n on. Polling is also this process's sign of life to its peers' writers
- * (sim_peer_alive_at). */
+ * (sim_peer_alive_at); a poll with nothing to look at gives none (sim_cq.c: has_work), and a writer without
+ * a recent one looks at the process instead. */
 size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
     struct sim_segment *seg = ep->seg;
     atomic_store_explicit(&seg->polled_ns, now, memory_order_relaxed);
