@@ -221,44 +221,47 @@ struct sim_cq;
 
 struct sim_eq;
 
+/* What every poll and post looks at comes first, on the lines right after the fid, ahead of the queues: a
+ * thread driving many NICs (chapter 9's 32) touches as few lines of each endpoint per poll as it can. */
 struct sim_ep {
     struct fid_ep fid;
     struct sim_domain *domain;
+    struct sim_segment *seg; /* the domain's */
     struct sim_cq *tx_cq, *rx_cq;
+    int slot;
+    int enabled;
+    atomic_flag lock; /* posting and progress of one endpoint from several threads (FI_THREAD_SAFE) */
+    uint64_t tx_head, tx_sent, tx_tail; /* completed | left the NIC | waiting for the line | free */
+    uint64_t tx_held;                   /* from it to tx_tail: posted with FI_MORE, the doorbell not rung yet */
+    uint64_t last_due_ns;             /* the latest acknowledgement of what has left */
+    uint64_t dip_at;                  /* the last operation that left due before an older one (unordered) */
+    uint64_t next_due_ns;             /* no operation that left is due before it (0: look) */
+    uint64_t rx_head, rx_tail;
     struct sim_av *av;
     struct sim_eq *eq;
     uint64_t tx_op_flags, rx_op_flags; /* defaults of the calls without flags (fi_endpoint's info) */
     int tx_selective, rx_selective;    /* bound with FI_SELECTIVE_COMPLETION */
     int nic;
-    int slot;
-    int enabled;
-    atomic_flag lock; /* posting and progress of one endpoint from several threads (FI_THREAD_SAFE) */
     struct sim_pending tx[SIM_TX];
-    uint64_t tx_head, tx_sent, tx_tail; /* completed | left the NIC | waiting for the line | free */
-    uint64_t tx_held;                   /* from it to tx_tail: posted with FI_MORE, the doorbell not rung yet */
     struct sim_recv rx[SIM_RX];
-    uint64_t rx_head, rx_tail;
-    uint64_t last_due_ns;             /* the latest acknowledgement of what has left */
-    uint64_t dip_at;                  /* the last operation that left due before an older one (unordered) */
-    uint64_t next_due_ns;             /* no operation that left is due before it (0: look) */
     int16_t port_of[SIM_MAX_AV];      /* per AV entry: our port in that peer's endpoint + 1, 0 until claimed */
     uint64_t met_ns[SIM_MAX_AV];      /* per AV entry: when the handshake with it is done, 0 before the first write */
     struct sim_rx_port rx_ports[SIM_PORTS];
 };
 
-struct sim_cq {
+struct sim_cq { /* what a read looks at first (its lock, endpoints and error count), ahead of the error queue */
     struct fid_cq fid;
     struct sim_domain *domain;
     pthread_mutex_t lock;        /* readers, and the endpoints binding and leaving */
-    struct sim_ep *eps[SIM_EPS]; /* bound endpoints (transmit, receive or both), progressed when it is read */
     int neps;
     unsigned next;               /* the endpoint the next read starts with, for fairness */
+    uint64_t err_head, err_tail;
+    struct sim_ep *eps[SIM_EPS]; /* bound endpoints (transmit, receive or both), progressed when it is read */
     int format;
     int wait_obj;
     _Atomic int signaled;        /* fi_cq_signal: a waiting fi_cq_sread returns */
     struct fi_cq_err_entry errs[SIM_ERRS];
     char err_text[SIM_ERRS][SIM_ERR_TEXT];
-    uint64_t err_head, err_tail;
 };
 
 /* ---------------------------------------------------------------- sim_wire.c: model, segment, lines */

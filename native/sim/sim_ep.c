@@ -161,6 +161,7 @@ int sim_ep_open(struct fid_domain *dfid, struct fi_info *info, struct fid_ep **o
     ep->fid.atomic = &sim_no_atomic_ops;
     ep->fid.collective = &sim_no_collective_ops;
     ep->domain = d;
+    ep->seg = d->seg;
     ep->nic = d->index;
     ep->tx_op_flags = info && info->tx_attr ? info->tx_attr->op_flags : 0;
     ep->rx_op_flags = info && info->rx_attr ? info->rx_attr->op_flags : 0;

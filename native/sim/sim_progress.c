@@ -21,7 +21,7 @@ static void scatter(const struct sim_recv *r, const char *src, size_t len) {
 /* A message meets the oldest posted receive: copied into it, or an error if it does not fit. 0 when done
  * (the entry is taken), -1 when the error queue is full (tried again at a later poll). */
 static int deliver(struct sim_ep *ep, struct sim_port *port, int p, struct sim_entry *e, void *buf, size_t *n) {
-    struct sim_segment *seg = ep->domain->seg;
+    struct sim_segment *seg = ep->seg;
     struct sim_recv *r = &ep->rx[ep->rx_head % SIM_RX];
     uint64_t at = e->data_at % SIM_DATA_BYTES;
     if (e->len > SIM_DATA_BYTES || at + e->len > SIM_DATA_BYTES) { /* not what a sender writes: dropped */
@@ -59,7 +59,7 @@ static void deliver_waiting(struct sim_ep *ep, struct sim_port *port, int p, voi
 /* One port: what has landed becomes a completion. A message without a posted receive waits (RDM's
  * unexpected message) and holds back only the messages after it, never the immediate data of writes. */
 static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t *n, uint64_t now) {
-    struct sim_port *port = &ep->domain->seg->ports[ep->slot][p];
+    struct sim_port *port = &ep->seg->ports[ep->slot][p];
     struct sim_rx_port *rp = &ep->rx_ports[p];
     uint64_t tail = atomic_load_explicit(&port->tail, memory_order_relaxed);
     uint64_t head = atomic_load_explicit(&port->head, memory_order_acquire);
@@ -93,9 +93,10 @@ static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t 
 }
 
 /* The target side, filling buf from n on. Polling is also this process's sign of life to its peers' writers
- * (sim_peer_alive_at). */
+ * (sim_peer_alive_at); a poll with nothing to look at gives none (sim_cq.c: has_work), and a writer without
+ * a recent one looks at the process instead. */
 size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
-    struct sim_segment *seg = ep->domain->seg;
+    struct sim_segment *seg = ep->seg;
     atomic_store_explicit(&seg->polled_ns, now, memory_order_relaxed);
     for (int w = 0; w < SIM_PORT_WORDS && n < count; w++) {
         uint64_t used = atomic_load_explicit(&seg->ports_used[ep->slot][w], memory_order_acquire);
