@@ -25,7 +25,7 @@ any more) and costs every provider nothing but memory held a while longer: a tar
 until its writers close, a writer closed with writes still inside the provider until its targets close.
 
 A tree is not its own peer: its objects close children first, newest first, with nothing posted in between.
-fi.py calls this module; it holds the libfabric objects' ``_Native`` records, never the Resources.
+fabriclab.fi calls this module; it holds the libfabric objects' ``_Native`` records, never the Resources.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def closed(node) -> list:
 
 
 def after_fork_in_child() -> None:
-    """The parent's objects are not this process's to close (fi.py only forgets them): forget them here too."""
+    """The parent's objects are not this process's to close (fabriclab.fi only forgets them): forget them here too."""
     global _lock
     _lock = threading.Lock()
     for table in (_endpoints, _addresses, _holders, _holds, _users, _bound, _idle):
