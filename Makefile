@@ -4,13 +4,17 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fabriclab-installed
 
-.PHONY: tour test setup system-deps lab clean
+.PHONY: tour test types setup system-deps lab clean
 
 tour: setup
 	$(PY) -m fabriclab tour --lessons lessons --out build/lessons
 
 test: setup
 	$(PY) -m pytest tests lessons --nbval -p no:cacheprovider
+
+# mypy --strict on the public API ([tool.mypy] in pyproject.toml); `make test` runs it too (tests/test_types.py).
+types: setup
+	$(PY) -m mypy
 
 setup: system-deps $(STAMP)
 

@@ -25,29 +25,30 @@ DEFAULT_CAPS: int = lib.FI_MSG | lib.FI_RMA
 IMMEDIATE_DATA_BYTES: int = 4
 # The registration modes fabriclab knows how to honour; the provider picks the ones it needs.
 SUPPORTED_MR_MODES: int = (lib.FI_MR_LOCAL | lib.FI_MR_VIRT_ADDR | lib.FI_MR_ALLOCATED | lib.FI_MR_PROV_KEY
-                      | lib.FI_MR_ENDPOINT | lib.FI_MR_HMEM)
+                           | lib.FI_MR_ENDPOINT | lib.FI_MR_HMEM)
 SUPPORTED_MODES: int = lib.FI_CONTEXT | lib.FI_CONTEXT2
 ACCESS_ALL: int = (lib.FI_SEND | lib.FI_RECV | lib.FI_READ | lib.FI_WRITE | lib.FI_REMOTE_READ
-              | lib.FI_REMOTE_WRITE)
+                   | lib.FI_REMOTE_WRITE)
 # What memory that is only ever the source of this side's writes and sends must allow (read-only buffers).
 ACCESS_SOURCE: int = lib.FI_WRITE | lib.FI_SEND
 
-_MR_MODE_NAMES: dict[int, str] = {lib.FI_MR_LOCAL: "FI_MR_LOCAL", lib.FI_MR_RAW: "FI_MR_RAW",
-                  lib.FI_MR_VIRT_ADDR: "FI_MR_VIRT_ADDR", lib.FI_MR_ALLOCATED: "FI_MR_ALLOCATED",
-                  lib.FI_MR_PROV_KEY: "FI_MR_PROV_KEY", lib.FI_MR_MMU_NOTIFY: "FI_MR_MMU_NOTIFY",
-                  lib.FI_MR_RMA_EVENT: "FI_MR_RMA_EVENT", lib.FI_MR_ENDPOINT: "FI_MR_ENDPOINT",
-                  lib.FI_MR_HMEM: "FI_MR_HMEM"}
-_MODE_NAMES: dict[int, str] = {lib.FI_CONTEXT: "FI_CONTEXT", lib.FI_CONTEXT2: "FI_CONTEXT2", lib.FI_RX_CQ_DATA: "FI_RX_CQ_DATA",
-               lib.FI_LOCAL_MR: "FI_LOCAL_MR", lib.FI_MSG_PREFIX: "FI_MSG_PREFIX"}
-_ADDR_FORMAT_NAMES: dict[int, str] = {lib.FI_FORMAT_UNSPEC: "FI_FORMAT_UNSPEC", lib.FI_SOCKADDR: "FI_SOCKADDR",
-                      lib.FI_SOCKADDR_IN: "FI_SOCKADDR_IN", lib.FI_SOCKADDR_IN6: "FI_SOCKADDR_IN6",
-                      lib.FI_SOCKADDR_IB: "FI_SOCKADDR_IB", lib.FI_ADDR_PSMX: "FI_ADDR_PSMX",
-                      lib.FI_ADDR_GNI: "FI_ADDR_GNI", lib.FI_ADDR_BGQ: "FI_ADDR_BGQ",
-                      lib.FI_ADDR_MLX: "FI_ADDR_MLX", lib.FI_ADDR_STR: "FI_ADDR_STR",
-                      lib.FI_ADDR_PSMX2: "FI_ADDR_PSMX2", lib.FI_ADDR_IB_UD: "FI_ADDR_IB_UD",
-                      lib.FI_ADDR_EFA: "FI_ADDR_EFA"}
-_ERRNO_NAMES: dict[int, str] = {getattr(lib, n): n for n in dir(lib) if n.startswith("FI_E") and isinstance(getattr(lib, n), int)
-                and n not in ("FI_EP_MSG", "FI_EP_DGRAM", "FI_EP_RDM")}
+_MR_MODE_NAMES: dict[int, str] = {
+    lib.FI_MR_LOCAL: "FI_MR_LOCAL", lib.FI_MR_RAW: "FI_MR_RAW", lib.FI_MR_VIRT_ADDR: "FI_MR_VIRT_ADDR",
+    lib.FI_MR_ALLOCATED: "FI_MR_ALLOCATED", lib.FI_MR_PROV_KEY: "FI_MR_PROV_KEY",
+    lib.FI_MR_MMU_NOTIFY: "FI_MR_MMU_NOTIFY", lib.FI_MR_RMA_EVENT: "FI_MR_RMA_EVENT",
+    lib.FI_MR_ENDPOINT: "FI_MR_ENDPOINT", lib.FI_MR_HMEM: "FI_MR_HMEM"}
+_MODE_NAMES: dict[int, str] = {
+    lib.FI_CONTEXT: "FI_CONTEXT", lib.FI_CONTEXT2: "FI_CONTEXT2", lib.FI_RX_CQ_DATA: "FI_RX_CQ_DATA",
+    lib.FI_LOCAL_MR: "FI_LOCAL_MR", lib.FI_MSG_PREFIX: "FI_MSG_PREFIX"}
+_ADDR_FORMAT_NAMES: dict[int, str] = {
+    lib.FI_FORMAT_UNSPEC: "FI_FORMAT_UNSPEC", lib.FI_SOCKADDR: "FI_SOCKADDR", lib.FI_SOCKADDR_IN: "FI_SOCKADDR_IN",
+    lib.FI_SOCKADDR_IN6: "FI_SOCKADDR_IN6", lib.FI_SOCKADDR_IB: "FI_SOCKADDR_IB", lib.FI_ADDR_PSMX: "FI_ADDR_PSMX",
+    lib.FI_ADDR_GNI: "FI_ADDR_GNI", lib.FI_ADDR_BGQ: "FI_ADDR_BGQ", lib.FI_ADDR_MLX: "FI_ADDR_MLX",
+    lib.FI_ADDR_STR: "FI_ADDR_STR", lib.FI_ADDR_PSMX2: "FI_ADDR_PSMX2", lib.FI_ADDR_IB_UD: "FI_ADDR_IB_UD",
+    lib.FI_ADDR_EFA: "FI_ADDR_EFA"}
+_ERRNO_NAMES: dict[int, str] = {getattr(lib, n): n for n in dir(lib)
+                                if n.startswith("FI_E") and isinstance(getattr(lib, n), int)
+                                and n not in ("FI_EP_MSG", "FI_EP_DGRAM", "FI_EP_RDM")}
 
 
 def fi_version(major: int, minor: int) -> int:
