@@ -262,4 +262,3 @@ def close_keeping(resource: Closable, pending: BaseException | None) -> None:
     except FabricError:
         if pending is None:
             raise
-

@@ -17,39 +17,6 @@ from .info import Info
 if TYPE_CHECKING:
     from .fabric import Domain
 
-class AddressVector(Resource):
-    """fi_av_open: maps peers' raw addresses to fi_addr_t handles."""
-
-    def __init__(self, domain: Domain):
-        super().__init__(domain)
-        attr = ffi.new("struct fi_av_attr *")
-        attr.type = domain.info.ptr.domain_attr.av_type
-        out = ffi.new("struct fid_av **")
-        check(lib.fi_av_open(domain._ptr, attr, out, ffi.NULL), "fi_av_open")
-        self._opened(out[0])
-        self.info = domain.info
-
-    def insert(self, address: "Address | bytes") -> int:
-        """Insert one peer; returns its fi_addr_t. A bytes argument is taken as this provider's raw format."""
-        self._require_open()
-        raw = address.raw if isinstance(address, Address) else bytes(address)
-        if isinstance(address, Address):
-            address.check_compatible(self.info)
-        out = ffi.new("fi_addr_t *")
-        n = lib.fi_av_insert(self._ptr, raw, 1, out, 0, ffi.NULL)
-        if n != 1:
-            raise FabricError("fi_av_insert", n if n < 0 else lib.FI_EINVAL,
-                              message=None if n < 0 else "fi_av_insert rejected the address")
-        _inprocess.address_inserted(self._native, raw)  # an endpoint of this process: it waits for us to close
-        return int(out[0])
-
-    def remove(self, fi_addr: int) -> None:
-        self._require_open()
-        addrs = ffi.new("fi_addr_t[1]", [fi_addr])
-        check(lib.fi_av_remove(self._ptr, addrs, 1, 0), "fi_av_remove")
-
-
-# ----------------------------------------------------------------------------------------- addresses
 
 _ADDR_MAGIC = b"FLAD"
 _ADDR_HEADER = struct.Struct("<4sBBIQH")  # magic, version, provider name length, format, max message, raw len
@@ -154,3 +121,33 @@ class Address:
         return f"{self.provider} {fmt} {where}"
 
 
+class AddressVector(Resource):
+    """fi_av_open: maps peers' raw addresses to fi_addr_t handles."""
+
+    def __init__(self, domain: Domain):
+        super().__init__(domain)
+        attr = ffi.new("struct fi_av_attr *")
+        attr.type = domain.info.ptr.domain_attr.av_type
+        out = ffi.new("struct fid_av **")
+        check(lib.fi_av_open(domain._ptr, attr, out, ffi.NULL), "fi_av_open")
+        self._opened(out[0])
+        self.info = domain.info
+
+    def insert(self, address: "Address | bytes") -> int:
+        """Insert one peer; returns its fi_addr_t. A bytes argument is taken as this provider's raw format."""
+        self._require_open()
+        raw = address.raw if isinstance(address, Address) else bytes(address)
+        if isinstance(address, Address):
+            address.check_compatible(self.info)
+        out = ffi.new("fi_addr_t *")
+        n = lib.fi_av_insert(self._ptr, raw, 1, out, 0, ffi.NULL)
+        if n != 1:
+            raise FabricError("fi_av_insert", n if n < 0 else lib.FI_EINVAL,
+                              message=None if n < 0 else "fi_av_insert rejected the address")
+        _inprocess.address_inserted(self._native, raw)  # an endpoint of this process: it waits for us to close
+        return int(out[0])
+
+    def remove(self, fi_addr: int) -> None:
+        self._require_open()
+        addrs = ffi.new("fi_addr_t[1]", [fi_addr])
+        check(lib.fi_av_remove(self._ptr, addrs, 1, 0), "fi_av_remove")

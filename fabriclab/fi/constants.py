@@ -70,4 +70,3 @@ def library_version() -> str:
 def flag_names(value: int, names: dict[int, str]) -> list[str]:
     """The names of the bits set in ``value``."""
     return [name for bit, name in names.items() if value & bit]
-

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .fabric import Domain
     from .mr import MemoryRegion
 
+
 @dataclass
 class Completion:
     """One completion queue entry. ``token`` is what the poster passed (None for remote writes' data)."""
@@ -141,5 +142,3 @@ def fresh_error_entry(entry: CData) -> CData:
     previous entry would have it write through them."""
     entry.err_data, entry.err_data_size = ffi.NULL, 0
     return entry
-
-

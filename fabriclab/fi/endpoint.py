@@ -17,6 +17,7 @@ from .mr import MemoryRegion, RemoteRegion
 if TYPE_CHECKING:
     from .fabric import Domain
 
+
 def gpu_direct_verdict(provider: str, rc: int) -> tuple[bool | None, str]:
     """What fi_setopt(FI_OPT_CUDA_API_PERMITTED, false)'s return code says about GPUDirect RDMA (see
     Endpoint._forbid_cuda_api): 0 yes; -FI_EOPNOTSUPP no (the provider needs the CUDA API to move GPU
@@ -176,5 +177,3 @@ class Endpoint(Resource):
                    timeout: float = DEFAULT_TIMEOUT) -> None:
         self._retry(lambda: self.try_post_write(mr, offset, length, dest, remote, remote_offset, token, data),
                     "a write", timeout)
-
-

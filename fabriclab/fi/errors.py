@@ -101,4 +101,3 @@ def check(rc: int, call: str) -> int:
     if rc < 0:
         raise FabricError(call, rc)
     return rc
-

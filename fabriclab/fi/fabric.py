@@ -14,6 +14,7 @@ from .errors import check
 from .info import Info
 from .mr import MemoryRegion
 
+
 class Fabric(Resource):
     """fi_fabric for an Info; the root of a resource tree (closed when collected, or at interpreter exit)."""
 
@@ -51,5 +52,3 @@ class Domain(Resource):
 
     def register(self, buffer: object, **kw: Any) -> MemoryRegion:
         return MemoryRegion(self, buffer, **kw)
-
-

@@ -344,5 +344,3 @@ def one_fabric_per_nic(infos: list[Info]) -> list[Info]:
     for info in provider_fabric_first(infos):
         chosen.setdefault(info.domain, info)
     return list(chosen.values())
-
-

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .endpoint import Endpoint
     from .fabric import Domain
 
+
 class MemoryRegion(Resource):
     """fi_mr_regattr over a writable buffer (numpy array, bytearray, memoryview) or a raw pointer.
 
@@ -138,5 +139,3 @@ class RemoteRegion:
         if offset < 0 or length <= 0 or offset + length > self.length:
             raise UsageError(f"write of {length} bytes at remote offset {offset} falls outside the peer's "
                              f"{self.length}-byte region")
-
-

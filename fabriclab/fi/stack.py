@@ -14,6 +14,7 @@ from .fabric import Domain, Fabric
 from .info import Info, getinfo
 from .mr import MemoryRegion
 
+
 class EndpointStack:
     """Fabric → Domain → CQ + AV → Endpoint for one Info: what every stage opens per NIC.
 
@@ -51,7 +52,6 @@ class EndpointStack:
                  tb: TracebackType | None) -> Literal[False]:
         close_keeping(self, exc)
         return False
-
 
 
 def open_endpoint(provider: str | None = None, domain: str | None = None, *, caps: int = DEFAULT_CAPS,
