@@ -19,6 +19,7 @@ public is re-exported here: ``from fabriclab import fi`` and ``fi.Endpoint``, ``
 """
 from __future__ import annotations
 
+# constants first: it sets the environment libfabric's providers read, then loads the cffi module.
 from .constants import (ACCESS_ALL, ACCESS_SOURCE, DEFAULT_CAPS, DEFAULT_TIMEOUT, IMMEDIATE_DATA_BYTES,
                         PREFERRED_PROVIDERS, SUPPORTED_MODES, SUPPORTED_MR_MODES, api_version, ffi, fi_version,
                         flag_names, lib, library_version)
