@@ -132,6 +132,37 @@ class CudaBuffer:
 Buffer: TypeAlias = HostBuffer | CudaBuffer
 
 
+class HostMemory(Protocol):
+    """Host memory as registration takes it: a HostBuffer, or any object with these (fabriclab.Engine's view
+    of a caller's array)."""
+
+    @property
+    def kind(self) -> Literal["host"]: ...
+
+    @property
+    def array(self) -> np.ndarray: ...
+
+
+class DeviceMemory(Protocol):
+    """GPU memory as registration takes it: a CudaBuffer, or any object with these."""
+
+    @property
+    def kind(self) -> Literal["cuda"]: ...
+
+    @property
+    def pointer(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def device(self) -> int: ...
+
+
+#: What ``register`` takes, told apart by ``kind``.
+Memory: TypeAlias = HostMemory | DeviceMemory
+
+
 def allocate(kind: str, length: int, device: int = 0) -> Buffer:
     """A buffer of ``length`` bytes of ``kind`` (one of MEMORY_KINDS), on GPU ``device`` for cuda."""
     if kind == "host":
@@ -150,7 +181,7 @@ class Registration:
     """A buffer registered with one endpoint's domain, and how: ``path`` is host, cuda-direct or
     cuda-staged; under cuda-staged, ``staging`` is the registered pinned copy and ``why`` says why
     direct registration was not used."""
-    buffer: Buffer
+    buffer: Memory
     mr: fi.MemoryRegion
     path: str
     staging: HostBuffer | None = None
@@ -170,14 +201,15 @@ class Registration:
     def staging_hooks(self, outbound: bool) -> dict[str, int | None]:
         """What the native engine needs to stage pages itself: the CUDA driver's copy function for this
         direction (device→host before sending, host→device on arrival), cuCtxSetCurrent and the context."""
-        if self.staging is None or self.buffer.kind != "cuda":
+        if self.staging is None:
             raise fi.UsageError(f"only a cuda-staged registration has staging hooks; this one is {self.path}")
+        buffer = cast(CudaBuffer, self.buffer)  # only a CudaBuffer is staged (register, stage=True)
         cuda = ctypes.CDLL("libcuda.so.1")
         copy = cuda.cuMemcpyDtoH_v2 if outbound else cuda.cuMemcpyHtoD_v2
-        return {"device": self.buffer.pointer, "host": self.staging.pointer,
+        return {"device": buffer.pointer, "host": self.staging.pointer,
                 "copy": ctypes.cast(copy, ctypes.c_void_p).value,
                 "set_context": ctypes.cast(cuda.cuCtxSetCurrent, ctypes.c_void_p).value,
-                "context": int(self.buffer.cuda.context)}
+                "context": int(buffer.cuda.context)}
 
     def close(self) -> None:
         self.mr.close()
@@ -197,7 +229,7 @@ class Stack(Protocol):
     def register(self, buffer: object = None, **kw: Any) -> fi.MemoryRegion: ...
 
 
-def register(stack: Stack, buffer: Buffer, staging: HostBuffer | None = None,
+def register(stack: Stack, buffer: Memory, staging: HostBuffer | None = None,
              access: int = fi.ACCESS_ALL, stage: bool = True) -> Registration:
     """Register a HostBuffer or CudaBuffer with the endpoint's domain (see module docstring). A staged
     buffer registered on several domains passes the first registration's ``staging`` copy to the others.

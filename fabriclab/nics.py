@@ -90,7 +90,7 @@ class NicSet:
                      "endpoints share one)")
         return text
 
-    def register(self, buffer: memory.Buffer, access: int = fi.ACCESS_ALL,
+    def register(self, buffer: memory.Memory, access: int = fi.ACCESS_ALL,
                  stage: bool = True) -> list[memory.Registration]:
         """The buffer registered once per domain (per endpoint where the provider binds memory to one), for
         for the uses ``access`` names (fi access flags; default every use). ``stage=False``: GPU memory that
