@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.fabriclab-installed
 
-.PHONY: tour test lessons setup system-deps lab clean
+.PHONY: tour test types lessons setup system-deps lab clean
 
 tour: setup
 	$(PY) -m fabriclab tour --lessons lessons --out build/lessons
@@ -27,6 +27,10 @@ lessons: setup
 	     && $(PY) -m fabriclab.course.provenance stamp "$$nb"; then :; else failed="$$failed $$nb"; fi; \
 	done; \
 	if [ -n "$$failed" ]; then echo "make lessons: not executed or not stamped (failed, or over $(LESSON_TIMEOUT) s):$$failed" >&2; exit 1; fi
+
+# mypy --strict on the public API ([tool.mypy] in pyproject.toml); `make test` runs it too (tests/test_types.py).
+types: setup
+	$(PY) -m mypy
 
 setup: system-deps $(STAMP)
 

@@ -19,6 +19,7 @@ from the ones below it (``tests/test_layers.py`` holds it to that):
 * ``course`` (the notebooks' tooling) and ``tools`` (``bench``, ``testbed``, ``peers``, ``apidoc``).
 """
 import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 _PUBLIC = ("Engine", "EngineConfig", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError", "TransferError",
@@ -27,7 +28,7 @@ _PUBLIC = ("Engine", "EngineConfig", "Region", "Peer", "Transfer", "TransferResu
 __all__ = list(_PUBLIC)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # Lazy: the stages and tools need not load the engine.
     if name in _PUBLIC:
         return getattr(importlib.import_module("fabriclab.engine"), name)

@@ -25,30 +25,34 @@ any more) and costs every provider nothing but memory held a while longer: a tar
 until its writers close, a writer closed with writes still inside the provider until its targets close.
 
 A tree is not its own peer: its objects close children first, newest first, with nothing posted in between.
-fi.py calls this module; it holds the libfabric objects' ``_Native`` records, never the Resources.
+fabriclab.fi calls this module; it holds the libfabric objects' ``_Native`` records, never the Resources.
 """
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    from .fi._core import _Native as Node  # a libfabric object's record: endpoint, queue, address vector...
 
 _lock = threading.Lock()
-_endpoints: dict[bytes, object] = {}  # raw address -> the open endpoint of this process that has it
-_addresses: dict[object, bytes] = {}  # and back
-_holders: dict[object, set] = {}  # endpoint -> address vectors of other trees that hold its address
-_holds: dict[object, set] = {}  # and back
-_users: dict[object, list] = {}  # completion queue or address vector -> the endpoints bound to it
-_bound: dict[object, tuple] = {}  # and back
-_idle: set = set()  # endpoints whose owner said no operation of theirs is still inside the provider
-_deferred: list = []  # closed for Python, left open in libfabric until ready()
+_endpoints: dict[bytes, Node] = {}  # raw address -> the open endpoint of this process that has it
+_addresses: dict[Node, bytes] = {}  # and back
+_holders: dict[Node, set[Node]] = {}  # endpoint -> address vectors of other trees that hold its address
+_holds: dict[Node, set[Node]] = {}  # and back
+_users: dict[Node, list[Node]] = {}  # completion queue or address vector -> the endpoints bound to it
+_bound: dict[Node, tuple[Node, ...]] = {}  # and back
+_idle: set[Node] = set()  # endpoints whose owner said no operation of theirs is still inside the provider
+_deferred: list[Node] = []  # closed for Python, left open in libfabric until ready()
 
 
-def _root(node):
+def _root(node: Node) -> Node:
     while node.parent is not None:
         node = node.parent
     return node
 
 
-def endpoint_opened(endpoint, address: bytes, bound_to) -> None:
+def endpoint_opened(endpoint: Node, address: bytes, bound_to: Iterable[Node]) -> None:
     """An endpoint of this process was opened with ``address``, bound to the queues ``bound_to``."""
     with _lock:
         _endpoints[address] = endpoint
@@ -58,14 +62,14 @@ def endpoint_opened(endpoint, address: bytes, bound_to) -> None:
             _users.setdefault(node, []).append(endpoint)
 
 
-def declare_idle(endpoint) -> None:
+def declare_idle(endpoint: Node) -> None:
     """No operation posted on ``endpoint`` is still inside the provider: its close need not wait for the
     peers of this process it wrote to (condition 2 above)."""
     with _lock:
         _idle.add(endpoint)
 
 
-def address_inserted(av, address: bytes) -> None:
+def address_inserted(av: Node, address: bytes) -> None:
     """``av`` took ``address``: when it is an open endpoint of this process (of another tree), that endpoint
     stays open in libfabric until ``av`` is done with it."""
     with _lock:
@@ -76,12 +80,12 @@ def address_inserted(av, address: bytes) -> None:
         _holds.setdefault(av, set()).add(endpoint)
 
 
-def _done(av) -> bool:
+def _done(av: Node) -> bool:
     """Nothing can use ``av`` any more: it and every endpoint bound to it are closed (for Python)."""
     return av.closed and all(endpoint.closed for endpoint in _users.get(av, ()))
 
 
-def _ready(node) -> bool:
+def _ready(node: Node) -> bool:
     """``node`` may be closed in libfabric: no holder of its address can use it, no peer of this process it
     wrote to can still answer it, and nothing left open under it or bound to it waits for either."""
     return (all(child.fid is None for child in node.children)
@@ -90,7 +94,7 @@ def _ready(node) -> bool:
             and (node in _idle or all(peer.closed for av in _bound.get(node, ()) for peer in _holds.get(av, ()))))
 
 
-def close_now(node) -> bool:
+def close_now(node: Node) -> bool:
     """Called as ``node`` (closed for Python) is about to be closed in libfabric: True to go ahead; False
     when it must wait (it is then kept, and handed back by a later ``closed`` call)."""
     with _lock:
@@ -100,7 +104,7 @@ def close_now(node) -> bool:
         return False
 
 
-def closed(node) -> list:
+def closed(node: Node) -> list[Node]:
     """``node`` was closed in libfabric: forget it. Returns the waiting objects that may close now (each is
     to be closed, and reported here in turn)."""
     with _lock:
@@ -121,7 +125,7 @@ def closed(node) -> list:
 
 
 def after_fork_in_child() -> None:
-    """The parent's objects are not this process's to close (fi.py only forgets them): forget them here too."""
+    """The parent's objects are not this process's to close (fabriclab.fi only forgets them): forget them here too."""
     global _lock
     _lock = threading.Lock()
     for table in (_endpoints, _addresses, _holders, _holds, _users, _bound, _idle):

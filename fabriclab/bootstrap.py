@@ -17,17 +17,19 @@ from __future__ import annotations
 import socket
 import struct
 
+from typing import Any, Literal
+
 from . import fi
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20
 
 
-def _bytes(value, what: str) -> bytes:
+def _bytes(value: object, what: str) -> bytes:
     """A bytes-like ``value`` as bytes; UsageError for anything else (bytes() would turn 3 into three zero
     bytes, and a str into a TypeError)."""
     try:
-        return bytes(memoryview(value))
+        return bytes(memoryview(value))  # type: ignore[arg-type]  # TypeError says it is no buffer
     except TypeError:
         hint = ": encode text first (.encode())" if isinstance(value, str) else ""
         raise fi.UsageError(f"{what} must be bytes (bytes, bytearray, memoryview), got {type(value).__name__}"
@@ -59,8 +61,8 @@ def _recv(sock: socket.socket) -> bytes:
 def pack(*parts: bytes) -> bytes:
     """Several byte strings as one message (each length-prefixed): e.g. ``pack(engine.address,
     region.descriptor())``."""
-    parts = [_bytes(p, "every part") for p in parts]
-    return b"".join(_LENGTH.pack(len(p)) + p for p in parts)
+    checked = [_bytes(p, "every part") for p in parts]
+    return b"".join(_LENGTH.pack(len(p)) + p for p in checked)
 
 
 def unpack(data: bytes) -> list[bytes]:
@@ -81,7 +83,7 @@ def unpack(data: bytes) -> list[bytes]:
 class Rendezvous:
     """The listening side: ``exchange(payload)`` waits for one peer, receives its bytes, sends ours."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> None:
         self.timeout = fi.seconds(timeout, "timeout")
         self._listener = socket.create_server((host, fi.integer(port, "port", 0, 65535)))
         self._listener.settimeout(timeout)
@@ -105,10 +107,10 @@ class Rendezvous:
         """Stop listening."""
         self._listener.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Rendezvous:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
@@ -126,7 +128,8 @@ def exchange(port: int, payload: bytes, host: str = "127.0.0.1", timeout: float 
 # ------------------------------------------------------------------- through a serving framework's own
 
 
-def allgather(payload: bytes, *, store=None, rank: int | None = None, world_size: int | None = None, comm=None,
+def allgather(payload: bytes, *, store: Any = None, rank: int | None = None, world_size: int | None = None,
+              comm: Any = None,
               key: str = "fabriclab", timeout: float = 30.0) -> list[bytes]:
     """Every rank's ``payload`` (e.g. ``pack(engine.address, region.descriptor())``), in rank order, through
     what a deployment already has, as serving frameworks exchange their own addresses:

@@ -9,7 +9,7 @@ import re
 import signal
 import sys
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from . import fi
 
@@ -63,6 +63,7 @@ def count(name: str, most: int | Callable[[], int] | None = None, why: str = "")
     asked when the option is given: this machine's cores, say), refused with ``why`` said, whatever the stage
     (one that does not use the option still refuses it: a typo is noticed, not ignored)."""
     def parse(text: str) -> int:
+        value: int | str
         try:
             value = int(text)
         except ValueError:
@@ -85,6 +86,7 @@ def seconds_or_off(text: str) -> float:
 
 
 def _seconds(text: str, zero_means: str | None) -> float:
+    value: float | str
     try:
         value = float(text)
     except ValueError:
@@ -183,7 +185,8 @@ def stage_parser(description: str) -> tuple[argparse.ArgumentParser, argparse.Ar
     return parser, serve, connect
 
 
-def stage_main(parser: argparse.ArgumentParser, serve, connect, argv=None) -> int:
+def stage_main(parser: argparse.ArgumentParser, serve: Callable[[argparse.Namespace, StopSignal], int],
+               connect: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
     """A stage's entry point: ``serve`` (stopped by signals or stdin closing) or ``connect``."""
     args = parser.parse_args(argv)
     if args.command == "serve":

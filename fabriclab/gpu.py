@@ -3,6 +3,7 @@ without a GPU, ``devices()`` is empty and ``require_cuda()`` explains what is mi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .fi import FabriclabError, UsageError
 
@@ -15,7 +16,9 @@ class GpuDevice:
     memory_bytes: int
 
 
-def _driver():
+# cuda-python has no type information: its driver module, and the values its calls return, are Any.
+
+def _driver() -> Any:
     try:
         from cuda.bindings import driver  # cuda-python >= 12.6
     except ImportError:
@@ -30,7 +33,7 @@ class CudaError(FabriclabError, RuntimeError):
     """A CUDA call failed, or the GPU memory it works on is gone (freed by its owner)."""
 
 
-def error_name(err) -> str:
+def error_name(err: Any) -> str:
     """CUDA's name for a CUDA error code (``CUDA_ERROR_...``), or "unknown"."""
     try:
         name = _driver().cuGetErrorName(err)[1]
@@ -39,8 +42,9 @@ def error_name(err) -> str:
         return "unknown"
 
 
-def _ok(result, call: str):
-    """The value(s) of a cuda-python call's result; CudaError naming the call and the error otherwise."""
+def check(result: tuple[Any, ...], call: str) -> Any:
+    """The value(s) of a cuda-python call's result (its error code first, then one value or several);
+    CudaError naming the call and the error otherwise."""
     err, *rest = result
     if int(err) != 0:
         raise CudaError(f"{call} failed: CUDA error {int(err)} ({error_name(err)})")
@@ -55,11 +59,11 @@ def cuda_status() -> str:
     err, = driver.cuInit(0)
     if int(err) != 0:
         return f"no usable CUDA driver or GPU (cuInit returned {int(err)})"
-    count = _ok(driver.cuDeviceGetCount(), "cuDeviceGetCount")
+    count = check(driver.cuDeviceGetCount(), "cuDeviceGetCount")
     return "ok" if count else "no CUDA GPU found"
 
 
-def require_cuda():
+def require_cuda() -> Any:
     """The cuda-python driver module, initialised; UsageError naming what is missing otherwise."""
     status = cuda_status()
     if status != "ok":
@@ -68,16 +72,17 @@ def require_cuda():
 
 
 def devices() -> list[GpuDevice]:
+    """The CUDA GPUs of this machine (none without cuda-python or a driver)."""
     if cuda_status() != "ok":
         return []
     driver = _driver()
     out = []
-    for index in range(_ok(driver.cuDeviceGetCount(), "cuDeviceGetCount")):
-        dev = _ok(driver.cuDeviceGet(index), "cuDeviceGet")
-        name = _ok(driver.cuDeviceGetName(64, dev), "cuDeviceGetName")
+    for index in range(check(driver.cuDeviceGetCount(), "cuDeviceGetCount")):
+        dev = check(driver.cuDeviceGet(index), "cuDeviceGet")
+        name = check(driver.cuDeviceGetName(64, dev), "cuDeviceGetName")
         name = name.split(b"\0", 1)[0].decode() if isinstance(name, bytes) else str(name)
-        pci = _ok(driver.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId")
+        pci = check(driver.cuDeviceGetPCIBusId(32, dev), "cuDeviceGetPCIBusId")
         pci = pci.split(b"\0", 1)[0].decode() if isinstance(pci, bytes) else str(pci)
-        memory = _ok(driver.cuDeviceTotalMem(dev), "cuDeviceTotalMem")
+        memory = check(driver.cuDeviceTotalMem(dev), "cuDeviceTotalMem")
         out.append(GpuDevice(index, name, pci.lower(), int(memory)))
     return out

@@ -70,12 +70,12 @@ class CudaCopier:
 
     def __init__(self, lanes: int) -> None:
         d = self.driver = gpu.require_cuda()
-        self.context = gpu._ok(d.cuDevicePrimaryCtxRetain(gpu._ok(d.cuDeviceGet(0), "cuDeviceGet")),
+        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(0), "cuDeviceGet")),
                                "cuDevicePrimaryCtxRetain")
-        gpu._ok(d.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        self.streams = [gpu._ok(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(staging.COPY_STREAMS)]
-        self.started = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]
-        self.copied = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]
+        gpu.check(d.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self.streams = [gpu.check(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(staging.COPY_STREAMS)]
+        self.started = [gpu.check(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]
+        self.copied = [gpu.check(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]
         self.seconds = 0.0
 
     def start(self, lane: int, source: int, destination: int, copies: Copies) -> None:
@@ -83,12 +83,12 @@ class CudaCopier:
         d = self.driver
         d.cuCtxSetCurrent(self.context)
         stream = self.streams[lane % len(self.streams)]
-        gpu._ok(d.cuEventRecord(self.started[lane], stream), "cuEventRecord")
+        gpu.check(d.cuEventRecord(self.started[lane], stream), "cuEventRecord")
         try:
             for src, dst, length in zip(*copies):
-                gpu._ok(d.cuMemcpyHtoDAsync(destination + int(dst), source + int(src), int(length), stream),
+                gpu.check(d.cuMemcpyHtoDAsync(destination + int(dst), source + int(src), int(length), stream),
                         "cuMemcpyHtoDAsync")
-            gpu._ok(d.cuEventRecord(self.copied[lane], stream), "cuEventRecord")
+            gpu.check(d.cuEventRecord(self.copied[lane], stream), "cuEventRecord")
         except gpu.CudaError:
             d.cuStreamSynchronize(stream)  # nothing of ours may still read the lane
             raise
@@ -99,7 +99,7 @@ class CudaCopier:
         err, = d.cuEventQuery(self.copied[lane])
         if int(err) == int(d.CUresult.CUDA_ERROR_NOT_READY):
             return False
-        gpu._ok((err,), "copying a landing lane to the GPU")
+        gpu.check((err,), "copying a landing lane to the GPU")
         err, ms = d.cuEventElapsedTime(self.started[lane], self.copied[lane])
         if int(err) == 0:
             self.seconds += ms / 1000.0

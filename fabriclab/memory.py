@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeAlias, cast
 
 import numpy as np
 
@@ -25,7 +26,7 @@ def _host_array(pointer: int, length: int) -> np.ndarray:
 
 class HostBuffer:
     """Page-aligned host memory as a numpy uint8 array."""
-    kind = "host"
+    kind: Literal["host"] = "host"
     device = 0
 
     def __init__(self, length: int):
@@ -45,7 +46,7 @@ class HostBuffer:
         return self.array[offset:offset + length]
 
     def close(self) -> None:
-        self.array = None
+        self.array = None  # type: ignore[assignment]  # the memory is let go: a use after close fails
 
 
 class _Cuda:
@@ -54,18 +55,18 @@ class _Cuda:
     def __init__(self, device: int):
         self.driver = gpu.require_cuda()
         d = self.driver
-        count = gpu._ok(d.cuDeviceGetCount(), "cuDeviceGetCount")
+        count = gpu.check(d.cuDeviceGetCount(), "cuDeviceGetCount")
         if not 0 <= device < count:
             raise fi.UsageError(f"CUDA device {device} does not exist (this machine has {count})")
-        self.device = gpu._ok(d.cuDeviceGet(device), "cuDeviceGet")
-        self.context = gpu._ok(d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        self.device = gpu.check(d.cuDeviceGet(device), "cuDeviceGet")
+        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         self.make_current()
 
     def make_current(self) -> None:
-        gpu._ok(self.driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        gpu.check(self.driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
 
-    def call(self, name: str, *args):
-        return gpu._ok(getattr(self.driver, name)(*args), name)
+    def call(self, name: str, *args: Any) -> Any:
+        return gpu.check(getattr(self.driver, name)(*args), name)
 
 
 class PinnedBuffer(HostBuffer):
@@ -81,13 +82,13 @@ class PinnedBuffer(HostBuffer):
 
     def close(self) -> None:
         if self.array is not None:
-            self.array = None
+            self.array = None  # type: ignore[assignment]  # as HostBuffer.close
             self.cuda.call("cuMemFreeHost", self.pointer)
 
 
 class CudaBuffer:
     """Device memory from cuMemAlloc (plain allocations, never managed memory)."""
-    kind = "cuda"
+    kind: Literal["cuda"] = "cuda"
 
     def __init__(self, length: int, device: int = 0):
         if length <= 0:
@@ -99,7 +100,7 @@ class CudaBuffer:
         self._open = True
 
     @property
-    def __cuda_array_interface__(self) -> dict:
+    def __cuda_array_interface__(self) -> dict[str, Any]:
         """The buffer as a CUDA array of bytes: what ``fabriclab.Engine.register`` (and cupy, numba) take."""
         return {"shape": (self.length,), "typestr": "|u1", "data": (self.pointer, False), "version": 3}
 
@@ -127,7 +128,43 @@ class CudaBuffer:
             self.cuda.call("cuMemFree", self.pointer)
 
 
-def allocate(kind: str, length: int, device: int = 0):
+#: The memory the stages move: host (numpy) or GPU (cuda-python).
+Buffer: TypeAlias = HostBuffer | CudaBuffer
+
+
+class HostMemory(Protocol):
+    """Host memory as registration takes it: a HostBuffer, or any object with these (fabriclab.Engine's view
+    of a caller's array)."""
+
+    @property
+    def kind(self) -> Literal["host"]: ...
+
+    @property
+    def array(self) -> np.ndarray: ...
+
+
+class DeviceMemory(Protocol):
+    """GPU memory as registration takes it: a CudaBuffer, or any object with these."""
+
+    @property
+    def kind(self) -> Literal["cuda"]: ...
+
+    @property
+    def pointer(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def device(self) -> int: ...
+
+
+#: What ``register`` takes, told apart by ``kind``.
+Memory: TypeAlias = HostMemory | DeviceMemory
+
+
+def allocate(kind: str, length: int, device: int = 0) -> Buffer:
+    """A buffer of ``length`` bytes of ``kind`` (one of MEMORY_KINDS), on GPU ``device`` for cuda."""
     if kind == "host":
         return HostBuffer(length)
     if kind == "cuda":
@@ -144,7 +181,7 @@ class Registration:
     """A buffer registered with one endpoint's domain, and how: ``path`` is host, cuda-direct or
     cuda-staged; under cuda-staged, ``staging`` is the registered pinned copy and ``why`` says why
     direct registration was not used."""
-    buffer: object
+    buffer: Memory
     mr: fi.MemoryRegion
     path: str
     staging: HostBuffer | None = None
@@ -153,23 +190,26 @@ class Registration:
 
     def before_send(self, offset: int, length: int) -> None:
         """Make [offset, offset+length) visible to the NIC before it is written out."""
-        if self.staging is not None:
-            self.buffer.copy_to(self.staging, offset, length)
+        if self.staging is not None:  # only GPU memory is staged
+            cast(CudaBuffer, self.buffer).copy_to(self.staging, offset, length)
 
     def after_receive(self, offset: int, length: int) -> None:
         """Move bytes that landed in the staging copy to where the user wants them."""
         if self.staging is not None:
-            self.buffer.copy_from(self.staging, offset, length)
+            cast(CudaBuffer, self.buffer).copy_from(self.staging, offset, length)
 
-    def staging_hooks(self, outbound: bool) -> dict:
+    def staging_hooks(self, outbound: bool) -> dict[str, int | None]:
         """What the native engine needs to stage pages itself: the CUDA driver's copy function for this
         direction (device→host before sending, host→device on arrival), cuCtxSetCurrent and the context."""
+        if self.staging is None:
+            raise fi.UsageError(f"only a cuda-staged registration has staging hooks; this one is {self.path}")
+        buffer = cast(CudaBuffer, self.buffer)  # only a CudaBuffer is staged (register, stage=True)
         cuda = ctypes.CDLL("libcuda.so.1")
         copy = cuda.cuMemcpyDtoH_v2 if outbound else cuda.cuMemcpyHtoD_v2
-        return {"device": self.buffer.pointer, "host": self.staging.pointer,
+        return {"device": buffer.pointer, "host": self.staging.pointer,
                 "copy": ctypes.cast(copy, ctypes.c_void_p).value,
                 "set_context": ctypes.cast(cuda.cuCtxSetCurrent, ctypes.c_void_p).value,
-                "context": int(self.buffer.cuda.context)}
+                "context": int(buffer.cuda.context)}
 
     def close(self) -> None:
         self.mr.close()
@@ -177,7 +217,19 @@ class Registration:
             self.staging.close()
 
 
-def register(stack: fi.EndpointStack, buffer, staging: HostBuffer | None = None,
+class Stack(Protocol):
+    """What registration needs of an endpoint's tree: an fi.EndpointStack, or nics' view of one NIC slot."""
+
+    @property
+    def info(self) -> fi.Info: ...
+
+    @property
+    def ep(self) -> fi.Endpoint: ...
+
+    def register(self, buffer: object = None, **kw: Any) -> fi.MemoryRegion: ...
+
+
+def register(stack: Stack, buffer: Memory, staging: HostBuffer | None = None,
              access: int = fi.ACCESS_ALL, stage: bool = True) -> Registration:
     """Register a HostBuffer or CudaBuffer with the endpoint's domain (see module docstring). A staged
     buffer registered on several domains passes the first registration's ``staging`` copy to the others.

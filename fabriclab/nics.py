@@ -11,8 +11,12 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from . import fi, memory, shmclean
+
+if TYPE_CHECKING:
+    from .topology import Group, Topology
 
 
 @dataclass
@@ -32,7 +36,7 @@ class NicSet:
     NIC; slots beyond the real NICs share domains round-robin and are marked emulated. A context manager."""
 
     def __init__(self, provider: str | None, count: int | None = None, domains: list[str] | str | None = None,
-                 memory_kind: str = "host"):
+                 memory_kind: str = "host") -> None:
         if isinstance(domains, str):
             domains = [d for d in domains.split(",") if d]
         # One fabric per NIC, chosen by name (fi.domains): on EFA the RDM fabric, not efa-direct listed first
@@ -86,12 +90,13 @@ class NicSet:
                      "endpoints share one)")
         return text
 
-    def register(self, buffer, access: int = fi.ACCESS_ALL, stage: bool = True) -> list[memory.Registration]:
+    def register(self, buffer: memory.Memory, access: int = fi.ACCESS_ALL,
+                 stage: bool = True) -> list[memory.Registration]:
         """The buffer registered once per domain (per endpoint where the provider binds memory to one), for
         for the uses ``access`` names (fi access flags; default every use). ``stage=False``: GPU memory that
         some domain cannot register directly raises memory.DirectUnavailable (nothing stays registered)."""
         per_domain: dict[str, memory.Registration] = {}
-        out = []
+        out: list[memory.Registration] = []
         for slot in self.slots:
             bind = slot.info.mr_endpoint
             reg = None if bind else per_domain.get(slot.domain_name)
@@ -129,10 +134,10 @@ class NicSet:
     def closed(self) -> bool:
         return not self.fabrics
 
-    def __enter__(self):
+    def __enter__(self) -> NicSet:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
@@ -140,10 +145,10 @@ class NicSet:
 class _SlotStack:
     """What memory.register needs of an endpoint stack, for one slot."""
 
-    def __init__(self, domain: fi.Domain, ep: fi.Endpoint):
+    def __init__(self, domain: fi.Domain, ep: fi.Endpoint) -> None:
         self.domain, self.ep, self.info = domain, ep, domain.info
 
-    def register(self, buffer=None, **kw) -> fi.MemoryRegion:
+    def register(self, buffer: object = None, **kw: Any) -> fi.MemoryRegion:
         return fi.MemoryRegion(self.domain, buffer, endpoint=self.ep, **kw)
 
 
@@ -185,7 +190,14 @@ def measure_the_nics() -> str:
     return ", ".join(set_now)
 
 
-def release_nics(owner) -> None:
+class NicOwner(Protocol):
+    """What release_nics closes: a course stage's engine (fabriclab._native), registrations and NIC set."""
+    engine: Any
+    registrations: list[memory.Registration]
+    nicset: NicSet | None
+
+
+def release_nics(owner: NicOwner) -> None:
     """Close an owner's engine, registrations and NIC set, in that order (children before parents)."""
     if owner.engine is not None:
         owner.engine.close()
@@ -199,7 +211,8 @@ def release_nics(owner) -> None:
 
 
 def unique_registrations(registrations: list[memory.Registration]) -> list[memory.Registration]:
-    seen, out = set(), []
+    seen: set[int] = set()
+    out: list[memory.Registration] = []
     for reg in registrations:
         if id(reg) not in seen:
             seen.add(id(reg))
@@ -257,9 +270,9 @@ class NicGroups:
     """NIC slots split into worker groups by topology. ``of_slot[i]``: the group of slot i;
     ``gpu_of_slot[i]``: the GPU whose NICs slot i belongs to (None where unknown or without GPU);
     ``cores[g]``: the cores near group g's NICs (from fabriclab.topology; empty where it says nothing)."""
-    of_slot: tuple
-    gpu_of_slot: tuple
-    cores: tuple
+    of_slot: tuple[int, ...]
+    gpu_of_slot: tuple[int | None, ...]
+    cores: tuple[tuple[int, ...], ...]
 
     @property
     def count(self) -> int:
@@ -272,7 +285,7 @@ class NicGroups:
         return mine or list(range(len(self.of_slot)))
 
 
-def group_nics(domains: list[str], groups: int, topology=None) -> NicGroups:
+def group_nics(domains: list[str], groups: int, topology: Topology | None = None) -> NicGroups:
     """Split NIC slots into ``groups`` worker groups, each GPU with its own NICs.
 
     ``domains[i]`` is slot i's domain (emulated slots name the real NIC they share, and follow it);
@@ -286,11 +299,11 @@ def group_nics(domains: list[str], groups: int, topology=None) -> NicGroups:
     if not 1 <= groups <= len(domains):
         raise fi.UsageError(f"{groups} groups need between 1 and {len(domains)} (the NIC slots) groups")
     topo_groups = list(topology.groups) if topology is not None else []
-    home = {}
+    home: dict[str, int] = {}  # domain -> its topology group
     for t, g in enumerate(topo_groups):
         for domain in g.nics:
             home.setdefault(domain, t)
-    clusters: list[tuple[object, list[int]]] = []  # (topology group or None, its slots)
+    clusters: list[tuple[Group | None, list[int]]] = []  # (topology group or None, its slots)
     for t, g in enumerate(topo_groups):
         slots = [i for i, d in enumerate(domains) if home.get(d) == t]
         if slots:
@@ -300,11 +313,11 @@ def group_nics(domains: list[str], groups: int, topology=None) -> NicGroups:
         clusters.append((None, unknown))
     shares = [1] * len(clusters) if groups >= len(clusters) else None
     of_slot = [0] * len(domains)
-    members: list[list] = [[] for _ in range(groups)]  # topology groups each worker group covers
+    members: list[list[Group | None]] = [[] for _ in range(groups)]  # topology groups each worker group covers
     if shares is None:
-        for j, (g, slots) in enumerate(clusters):
+        for j, (group, slots) in enumerate(clusters):
             mine = j * groups // len(clusters)
-            members[mine].append(g)
+            members[mine].append(group)
             for i in slots:
                 of_slot[i] = mine
     else:
@@ -313,24 +326,24 @@ def group_nics(domains: list[str], groups: int, topology=None) -> NicGroups:
                     key=lambda j: len(clusters[j][1]) / shares[j])
             shares[j] += 1
         first = 0
-        for (g, slots), share in zip(clusters, shares):
+        for (group, slots), share in zip(clusters, shares):
             for k, i in enumerate(slots):
                 of_slot[i] = first + k % share
             for mine in range(first, first + share):
-                members[mine].append(g)
+                members[mine].append(group)
             first += share
     gpu_of = {t: g.gpu for t, g in enumerate(topo_groups)}
     cores = tuple(tuple(dict.fromkeys(c for g in covered if g is not None for c in g.cores)) for covered in members)
-    return NicGroups(tuple(of_slot), tuple(gpu_of.get(home.get(d)) for d in domains), cores)
+    return NicGroups(tuple(of_slot), tuple(gpu_of[home[d]] if d in home else None for d in domains), cores)
 
 
-def topology_groups_holding(domains: list[str], topology) -> int:
+def topology_groups_holding(domains: list[str], topology: Topology | None) -> int:
     """How many of ``topology``'s groups hold one of ``domains`` (0 without topology)."""
     wanted = set(domains)
     return sum(any(d in wanted for d in g.nics) for g in topology.groups) if topology is not None else 0
 
 
-def discover_topology(provider: str):
+def discover_topology(provider: str) -> Topology | None:
     """fabriclab.topology's view of this host for ``provider``'s NICs, or None when it cannot tell
     (topology is advice: grouping then falls back to index order)."""
     from . import topology
@@ -358,8 +371,8 @@ def worker_cores(threads: int, provider: str, cores: list[int] | None = None,
         else:
             proposed = []
             for t in range(min(threads, len(allowed))):
-                near = groups.cores[t] if t < groups.count else ()
-                proposed.append(next((c for c in [*near, *spare] if c in allowed and c not in proposed)))
+                own = groups.cores[t] if t < groups.count else ()
+                proposed.append(next((c for c in [*own, *spare] if c in allowed and c not in proposed)))
         cores = proposed + [c for c in spare if c not in proposed]
     if threads > len(cores):
         raise fi.UsageError(f"{threads} pinned threads need as many cores, but only {len(cores)} are available "

@@ -43,6 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 SHM_DIR = Path("/dev/shm")
 #: a process is taken for another process than the region's creator only when it started this much later
@@ -161,7 +162,7 @@ def shared_pid_namespaces(shm_dir: str | Path = SHM_DIR) -> str | None:
 # ----------------------------------------------------------------------------------------- owner records
 
 _hold_lock = threading.Lock()
-_hold = {"pid": 0, "users": 0, "path": None}
+_hold: dict[str, Any] = {"pid": 0, "users": 0, "path": None}  # path: str | None
 
 
 def hold_owner_record() -> None:
@@ -218,7 +219,8 @@ def _records(shm_dir: Path) -> list[_Record]:
     for name in _names(shm_dir):
         match = _RECORD_NAME.match(name)
         if match:
-            found.append(_Record(str(shm_dir / name), *(int(match[k]) for k in ("ns", "pid", "uid", "start"))))
+            ns, pid, uid, start = (int(match[k]) for k in ("ns", "pid", "uid", "start"))
+            found.append(_Record(str(shm_dir / name), ns, pid, uid, start))
     return found
 
 
@@ -288,7 +290,7 @@ def _region_paths(shm_dir: Path) -> list[Path]:
     return [shm_dir / name for name in _names(shm_dir) if _REGION_NAME.match(name)]
 
 
-def _region(path: Path, why_stale) -> StaleRegion | None:
+def _region(path: Path, why_stale: Callable[[int, os.stat_result], str | None]) -> StaleRegion | None:
     """The region at ``path`` if it is a shm-provider region and ``why_stale(pid, stat)`` gives a reason."""
     match = _REGION_NAME.match(path.name)
     if match is None:
@@ -316,7 +318,7 @@ def _region(path: Path, why_stale) -> StaleRegion | None:
     return StaleRegion(str(path), pid, info.st_blocks * 512, reason)
 
 
-def _unlink(path: str, verdict) -> StaleRegion | None:
+def _unlink(path: str, verdict: Callable[[Path], StaleRegion | None]) -> StaleRegion | None:
     """Unlink the region at ``path`` if ``verdict(Path)`` still finds it stale; the region removed, or None."""
     again = verdict(Path(path))
     if again is None:
@@ -485,7 +487,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object: the regions, the bytes freed, those left")
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     done = clean_shm_regions(dry_run=args.dry_run, force=args.force)
     if args.json:
         print(json.dumps({"dry_run": args.dry_run, "force": args.force, "regions": [vars(r) for r in done.removed],

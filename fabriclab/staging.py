@@ -56,9 +56,9 @@ def pointer_device(pointer: int, length: int) -> int:
     if int(err) != 0:
         raise StagingError(f"{pointer:#x} is not live CUDA memory (freed by its owner?): CUDA error {int(err)} "
                            f"({gpu.error_name(err)})")
-    start = int(gpu._ok(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR), pointer),
+    start = int(gpu.check(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR), pointer),
                        "cuPointerGetAttribute(range start)"))
-    size = int(gpu._ok(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_SIZE), pointer),
+    size = int(gpu.check(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_SIZE), pointer),
                       "cuPointerGetAttribute(range size)"))
     if pointer + length > start + size:
         raise StagingError(f"the CUDA allocation at {pointer:#x} holds {start + size - pointer} bytes from there, "
@@ -148,10 +148,10 @@ class PinnedPool:
             return
         driver = gpu.require_cuda()
         self.driver = driver
-        self.context = gpu._ok(driver.cuDevicePrimaryCtxRetain(gpu._ok(driver.cuDeviceGet(0), "cuDeviceGet")),
+        self.context = gpu.check(driver.cuDevicePrimaryCtxRetain(gpu.check(driver.cuDeviceGet(0), "cuDeviceGet")),
                                "cuDevicePrimaryCtxRetain")
-        gpu._ok(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        self.pointer = int(gpu._ok(driver.cuMemHostAlloc(self.length, _CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
+        gpu.check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self.pointer = int(gpu.check(driver.cuMemHostAlloc(self.length, _CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.pointer))
 
     def close(self) -> None:
@@ -223,9 +223,9 @@ class Stager:
         self.pool = pool
         self.failure_type = failure_type  # (message, buffer_safe, why) -> the caller's exception; why: FAILURES
         d = pool.driver
-        self.streams = [gpu._ok(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(COPY_STREAMS)]  # non-blocking
-        self.started = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(pool.chunks)]
-        self.copied = [gpu._ok(d.cuEventCreate(0), "cuEventCreate") for _ in range(pool.chunks)]
+        self.streams = [gpu.check(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(COPY_STREAMS)]  # non-blocking
+        self.started = [gpu.check(d.cuEventCreate(0), "cuEventCreate") for _ in range(pool.chunks)]
+        self.copied = [gpu.check(d.cuEventCreate(0), "cuEventCreate") for _ in range(pool.chunks)]
         self.free = collections.deque(range(pool.chunks))
         self.jobs: collections.deque[StagedJob] = collections.deque()
         self.copying: collections.deque[_Chunk] = collections.deque()
@@ -333,11 +333,11 @@ class Stager:
             stream = self.streams[slot % len(self.streams)]
             d = self.pool.driver
             try:
-                gpu._ok(d.cuEventRecord(self.started[slot], stream), "cuEventRecord")
+                gpu.check(d.cuEventRecord(self.started[slot], stream), "cuEventRecord")
                 for src, host, length in zip(*copy_runs(job.src[job.next_write:end], chunk.src, chunk.lengths)):
-                    gpu._ok(d.cuMemcpyDtoHAsync(self.pool.pointer + int(host), job.pointer + int(src), int(length),
+                    gpu.check(d.cuMemcpyDtoHAsync(self.pool.pointer + int(host), job.pointer + int(src), int(length),
                                                stream), "cuMemcpyDtoHAsync")
-                gpu._ok(d.cuEventRecord(self.copied[slot], stream), "cuEventRecord")
+                gpu.check(d.cuEventRecord(self.copied[slot], stream), "cuEventRecord")
             except StagingError as exc:
                 d.cuStreamSynchronize(stream)  # nothing of ours may still read the caller's memory
                 self.free.append(slot)

@@ -145,3 +145,26 @@ def test_truncated_and_wrong_provider_addresses():
         forged = fi.Address("tcp;ofi_rxm", fi.lib.FI_SOCKADDR_IN, b"\x07" * 16)
         with pytest.raises(fi.UsageError, match="not an IPv4 socket address"):
             fi.Address.parse(forged.hex())
+
+
+def test_the_package_exports_what_its_modules_define():
+    # fabriclab.fi is split by object family (info, fabric, cq, av, mr, endpoint, ...); callers use fi.X only,
+    # so every public name a module of the package defines is the package's too, the same object.
+    import ast
+    import importlib
+    import pathlib
+    unexported = []
+    for path in sorted(pathlib.Path(fi.__file__).parent.glob("[!_]*.py")):
+        module = importlib.import_module(f"fabriclab.fi.{path.stem}")
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            unexported += [f"{module.__name__}.{name}" for name in names if not name.startswith("_")
+                           and (name not in fi.__all__ or getattr(fi, name) is not getattr(module, name))]
+    assert not unexported, f"defined in fabriclab.fi's modules but not fi.X: {unexported}"
+    assert {"Endpoint", "getinfo", "FabricError", "RemoteRegion", "Address", "lib"} <= set(fi.__all__)
