@@ -4,7 +4,7 @@ a :class:`HostView` or a :class:`CudaView`: where its bytes are, how many, and w
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -13,7 +13,7 @@ from . import fi, staging
 
 class HostView:
     """Host memory: the bytes as a uint8 array (which keeps ``owner``, the caller's object, alive)."""
-    kind: ClassVar[str] = "host"
+    kind: ClassVar[Literal["host"]] = "host"
 
     def __init__(self, owner: object, array: np.ndarray, readonly: bool) -> None:
         self.owner, self.array, self.readonly = owner, array, readonly
@@ -23,7 +23,7 @@ class HostView:
 
 class CudaView:
     """CUDA memory of ``device``: ``owner`` (the caller's object, or what DLPack handed over) keeps it alive."""
-    kind: ClassVar[str] = "cuda"
+    kind: ClassVar[Literal["cuda"]] = "cuda"
 
     def __init__(self, pointer: int, length: int, device: int, owner: object, readonly: bool) -> None:
         self.pointer, self.length, self.device, self.owner, self.readonly = pointer, length, device, owner, readonly

@@ -23,6 +23,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from . import fi
 from .topology import DATA_DIR
@@ -52,7 +53,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def machine() -> dict:
+def machine() -> dict[str, Any]:
     """What this process runs on: cores (the machine's, and those this process may use), CPU, OS, Python,
     libfabric and its providers, the default one and $FABRICLAB_PROVIDER."""
     return {"cores": os.cpu_count(), "cores_usable": len(os.sched_getaffinity(0)), "cpu": _cpu_model(),
@@ -100,11 +101,11 @@ class Chapter:
 class Recording:
     """A recorded progression: where and how it ran, and each chapter's figures."""
     name: str
-    machine: dict
+    machine: dict[str, Any]
     commit: str
     recorded_at: str
     command: str
-    settings: dict  # tools.bench.BenchConfig's fields as the run had them
+    settings: dict[str, Any]  # tools.bench.BenchConfig's fields as the run had them
     chapters: dict[str, Chapter]
 
     @property
@@ -129,7 +130,7 @@ class Recording:
         return "\n".join(lines)
 
 
-def check_destination(path: str | os.PathLike) -> pathlib.Path:
+def check_destination(path: str | os.PathLike[str]) -> pathlib.Path:
     """``path`` as a place a recording can be written, checked before minutes of runs are spent on it."""
     path = pathlib.Path(path)
     if path.suffix != ".json":
@@ -141,7 +142,7 @@ def check_destination(path: str | os.PathLike) -> pathlib.Path:
     return path
 
 
-def _chapter(result) -> Chapter:
+def _chapter(result: Any) -> Chapter:
     """A Chapter from a tools.bench.BenchResult of a progression."""
     return Chapter(chapter=result.label.split()[0], label=result.label, gbps=result.gbps,
                    runs_gbps=list(result.runs_gbps or [result.gbps]), line_gbps=result.line_gbps,
@@ -149,7 +150,8 @@ def _chapter(result) -> Chapter:
                    target_threads=result.target_threads, mops=result.mops, verified=result.verified)
 
 
-def write(path: str | os.PathLike, results: Sequence, command: Sequence[str], settings: Mapping) -> Recording:
+def write(path: str | os.PathLike[str], results: Sequence[Any], command: Sequence[str],
+          settings: Mapping[str, Any]) -> Recording:
     """Record a progression (tools.bench.progression's results, run by ``command`` with ``settings``) at
     ``path``."""
     path = check_destination(path)
@@ -171,7 +173,7 @@ def names() -> list[str]:
     return sorted(p.stem.removeprefix(PREFIX) for p in DATA_DIR.glob(f"{PREFIX}*.json"))
 
 
-def load(name: str | os.PathLike | None = None) -> Recording:
+def load(name: str | os.PathLike[str] | None = None) -> Recording:
     """A shipped recording by name (the only one, or the first by name, when ``name`` is None), or a
     recording's file. NoRecording, saying how to make one, when there is none."""
     shipped = names()
