@@ -41,11 +41,21 @@ def test_counter_benchmark_measures_every_layout(layout):
     assert ns[layout][0] > 0
 
 
+def test_counter_benchmark_reports_how_far_its_threads_overlapped():
+    """The threads start together from a barrier and the benchmark says for what share of the run all of
+    them were updating at once; one thread always overlaps itself whole, rounds keep their order."""
+    ns = lesson.counter_update_ns(threads=2, updates=100_000, rounds=2, tries=1)
+    assert set(ns.overlap) == set(lesson.COUNTER_LAYOUTS)
+    assert all(len(ns.overlap[name]) == 2 and all(0 <= x <= 1 for x in ns.overlap[name]) for name in ns)
+    alone = lesson.counter_update_ns(threads=1, updates=1_000_000, rounds=1, min_overlap=0.5)
+    assert all(x > 0.5 for name in alone for x in alone.overlap[name])
+
+
 def test_counter_benchmark_refuses_bad_arguments():
-    assert lib.fl_counter_bench(lib.FL_SHARED_ATOMIC, 0, 1000, ffi.NULL, 0) < 0
-    assert lib.fl_counter_bench(lib.FL_PADDED_SLOTS + 1, 1, 1000, ffi.NULL, 0) < 0
-    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 1, 0, ffi.NULL, 0) < 0
-    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 2, 1000, ffi.NULL, 0) > 0  # unpinned
+    assert lib.fl_counter_bench(lib.FL_SHARED_ATOMIC, 0, 1000, ffi.NULL, 0, ffi.NULL) < 0
+    assert lib.fl_counter_bench(lib.FL_PADDED_SLOTS + 1, 1, 1000, ffi.NULL, 0, ffi.NULL) < 0
+    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 1, 0, ffi.NULL, 0, ffi.NULL) < 0
+    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 2, 1000, ffi.NULL, 0, ffi.NULL) > 0  # unpinned
 
 
 def test_nic_scaling_counts_every_write_and_the_engine_counters_add_up():
