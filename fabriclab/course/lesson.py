@@ -692,3 +692,146 @@ def progression_table(chosen: dict, ceiling: dict, runs: list) -> None:
     print("memcpy ceiling (same bytes, median):",
           ", ".join(f"{g:.1f} Gbps with {t} thread{'s' if t > 1 else ''}" for t, g in sorted(ceiling.items())))
     print(f"cores this process may use: {len(os.sched_getaffinity(0))}")
+
+
+# ---- lessons 13-16 on the modeled p5 (provider sim, docs/model.md)
+
+#: Lessons 13-15's runs on the modeled NICs: 16 of them (1600 Gbps, about 3 million 64 KiB writes a second,
+#: more than one thread feeds, so the writer's CPU per write decides), 512 MiB per run.
+MODEL_SETUP = dict(nics=16, threads=2, page_size=64 << 10, total=512 << 20)
+#: The model moves no payload by default, so a small region (pages written again and again) only shortens
+#: the untimed set-up and the target's check.
+MODEL_REGION_BYTES = 4 << 20
+
+
+class ModelRegion:
+    """While open, ``interleaved`` runs (and the sweeps built on it) cycle over MODEL_REGION_BYTES instead of
+    REGION_BYTES: ``with lesson.ModelRegion(): lesson.batch_sweep(bench, provider="sim", ...)``."""
+
+    def __enter__(self):
+        global REGION_BYTES
+        self.saved, REGION_BYTES = REGION_BYTES, MODEL_REGION_BYTES
+        return self
+
+    def __exit__(self, *exc):
+        global REGION_BYTES
+        REGION_BYTES = self.saved
+        return False
+
+
+def chapter_runs(bench, chapters, rounds: int = 3, provider: str | None = "sim", **setup) -> dict:
+    """Chapters of tools.bench.PROGRESSION ("12", "13+", ...), each with only its own techniques on, run in
+    turn ``rounds`` times through one target (``interleaved``), on MODEL_SETUP and ``setup``: chapter → runs.
+    As in ``bench --progression``, every chapter drives ``threads`` GPU groups (one thread walks them all in
+    chapters 9 and 10)."""
+    steps = {step[0]: step for step in bench.PROGRESSION}
+    unknown = [c for c in chapters if c not in steps]
+    if unknown:
+        raise fi.UsageError(f"no chapter {', '.join(unknown)} in the progression; choose from {', '.join(steps)}")
+    setup = {**MODEL_SETUP, **setup}
+    variants = {c: {"stage": steps[c][2], "groups": setup["threads"], **steps[c][3]} for c in chapters}
+    with ModelRegion():
+        return interleaved(bench, variants, rounds, provider, **setup)
+
+
+def medians(results: dict) -> dict:
+    """label → the median run of its runs, by Gbps (the run that speaks for the label in a table)."""
+    return {label: sorted(runs, key=lambda r: r.gbps)[(len(runs) - 1) // 2] for label, runs in results.items()}
+
+
+def wall_ns_per_write(r) -> float:
+    """ns each writer thread spent per write it made: the run's time × its writer threads / its writes."""
+    return r.elapsed_s * r.threads / max(1, r.writes) * 1e9
+
+
+def on_cpu_share(r) -> float:
+    """The share of the run's time its writer threads were on a CPU: the writer process's CPU time per
+    write (``cpu_ns_per_op``, warm-up and start included) over ``wall_ns_per_write``. Near 1: the threads
+    had their cores; well below: they waited for a core (the target, the notebook, other processes)."""
+    return r.cpu_ns_per_op / max(1e-9, wall_ns_per_write(r))
+
+
+def percent_of_line(r) -> float:
+    """A run's Gbps as a percentage of its NICs' aggregate link speed (the model reports 100 Gbps each)."""
+    return 100 * r.gbps / r.line_gbps if r.line_gbps else float("nan")
+
+
+def fact(statement: str, holds: bool) -> bool:
+    """Print a relation a lesson's prose states, as checked on this run's numbers: ``statement`` says what
+    was compared and with what tolerance. The printed line is the same on every machine where it holds, so
+    a re-executed notebook that no longer shows it differs from the committed one."""
+    print(f"{statement}: {bool(holds)}")
+    return bool(holds)
+
+
+def check(predicted: float, measured: float, tolerance: float = 0.5, what: str = "") -> bool:
+    """An exercise's answer against the measurement: True when ``predicted`` is within ``tolerance``
+    (a share of ``measured``: 0.5 is ±50 %) of it. Prints both."""
+    if not tolerance > 0:
+        raise fi.UsageError(f"the tolerance is a positive share of the measurement (0.5 for ±50 %), got {tolerance}")
+    ok = abs(predicted - measured) <= tolerance * abs(measured)
+    print(f"{what + ': ' if what else ''}predicted {_figure(predicted)}, measured {_figure(measured)}: "
+          + ("within" if ok else "outside") + f" ±{tolerance:.0%}")
+    return ok
+
+
+@dataclass
+class LoopCounts:
+    """What ``posting_loop`` did for ``writes`` writes: passes of its loop, completion-queue reads, calls to
+    post a write (``fi_writemsg``), how many of them the provider refused (-FI_EAGAIN), the most writes it
+    had in flight at once, and the seconds from the first post to the last completion."""
+    writes: int
+    passes: int = 0
+    polls: int = 0
+    calls: int = 0
+    refused: int = 0
+    most_in_flight: int = 0
+    seconds: float = 0.0
+
+    def per_write(self, name: str) -> float:
+        return getattr(self, name) / max(1, self.writes)
+
+
+def posting_loop(pair: "LocalPair", writes: int, batch: int = 16, lazy: bool = False, size: int = 1 << 20,
+                 ring: int = 64) -> LoopCounts:
+    """Chapters 14 and 15's posting loop, in Python against one endpoint pair (``LocalPair``), as the
+    article wrote it: no count of writes in flight, so a refusal (-FI_EAGAIN) is the only sign that the
+    provider's queue is full. Each pass reads the completion queues and, where that made room (or nothing is
+    in flight), posts from the head of the pending queue until the provider refuses; then it adds up to
+    ``batch`` writes of ``size`` bytes to the pending queue, which holds at most ``ring`` (as the engine's
+    ring). Before chapter 15 (``lazy`` False) every added write also tries to post at once."""
+    import collections
+    count = LoopCounts(writes)
+    pending: collections.deque = collections.deque()
+    done = added = posted = 0
+
+    def post_pending() -> None:
+        nonlocal posted
+        while pending:
+            count.calls += 1
+            if not pair.post_write(("loop", pending[0]), size, retry=False):
+                count.refused += 1  # -FI_EAGAIN: the head stays, and everything behind it
+                return
+            pending.popleft()
+            posted += 1
+            count.most_in_flight = max(count.most_in_flight, posted - done)
+
+    start = time.perf_counter()
+    deadline = time.monotonic() + pair.timeout
+    while done < writes:
+        count.passes += 1
+        count.polls += 1
+        got = pair.poll()
+        done += got
+        if got or posted == done:
+            post_pending()  # right after the completions made room: chapter 15's only post
+        for _ in range(min(batch, writes - added, ring - len(pending))):
+            pending.append(added)
+            added += 1
+            if not lazy:
+                post_pending()  # chapters 14 and before: every added write tries the provider at once
+        if time.monotonic() > deadline:
+            raise fi.FabricTimeout(f"{writes - done} of {writes} writes completing", pair.timeout)
+    count.seconds = time.perf_counter() - start
+    pair.trace.clear()
+    return count
