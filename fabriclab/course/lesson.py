@@ -756,12 +756,11 @@ def percent_of_line(r) -> float:
     return 100 * r.gbps / r.line_gbps if r.line_gbps else float("nan")
 
 
-def fact(statement: str, holds: bool) -> bool:
+def fact(statement: str, holds: bool) -> None:
     """Print a relation a lesson's prose states, as checked on this run's numbers: ``statement`` says what
     was compared and with what tolerance. The printed line is the same on every machine where it holds, so
     a re-executed notebook that no longer shows it differs from the committed one."""
     print(f"{statement}: {bool(holds)}")
-    return bool(holds)
 
 
 def check(predicted: float, measured: float, tolerance: float = 0.5, what: str = "") -> bool:
