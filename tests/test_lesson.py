@@ -129,3 +129,39 @@ def test_the_tour_runs_a_lesson_without_the_kernels_transport_warning(tmp_path, 
     assert "03_x.ipynb" in out and "ok" in out
     assert "WARNING" not in out + err
     assert tour.read_results(tmp_path / "out")[0]["measured"] == "1.0 Gbps"
+
+
+# ---- lessons 13-16 on the modeled NICs (provider sim)
+
+def test_posting_loop_counts_every_call_and_loses_no_write():
+    """The article's loop against the model: every write accepted once, every call accepted or refused,
+    and with one write per pass, one completion-queue read per pass."""
+    with lesson.LocalPair("sim", size=4 << 10) as pair:
+        for lazy in (False, True):
+            counts = lesson.posting_loop(pair, 300, batch=16, lazy=lazy, size=4 << 10)
+            assert counts.calls - counts.refused == 300
+            assert counts.polls == counts.passes and counts.passes <= 300
+            assert 1 <= counts.most_in_flight <= pair.info.tx_size
+            assert not pair.trace.ops  # the loop leaves the pair's trace empty for the next one
+
+
+def test_chapter_runs_are_modeled_verified_and_name_unknown_chapters():
+    runs = lesson.chapter_runs(bench, ["9", "15"], rounds=1, nics=4, total=64 << 20)
+    assert list(runs) == ["9", "15"]
+    for results in runs.values():
+        assert lesson.every_write_counted(results) and all(r.modeled for r in results)
+        r = results[0]
+        assert lesson.percent_of_line(r) > 0 and lesson.wall_ns_per_write(r) > 0 and lesson.on_cpu_share(r) > 0
+    assert lesson.medians(runs)["15"] is runs["15"][0]
+    with pytest.raises(fi.UsageError, match="no chapter 16"):
+        lesson.chapter_runs(bench, ["16"])
+
+
+def test_fact_and_check_print_what_they_compared(capsys):
+    lesson.fact("two is more than one", 2 > 1)
+    assert lesson.check(0.9, 1.0, tolerance=0.2, what="x") is True
+    assert lesson.check(0.5, 1.0, tolerance=0.2) is False
+    out = capsys.readouterr().out
+    assert "two is more than one: True" in out and "x: predicted 0.9, measured 1: within ±20%" in out
+    with pytest.raises(fi.UsageError, match="tolerance"):
+        lesson.check(1.0, 1.0, tolerance=0)
