@@ -582,7 +582,7 @@ class CounterRounds(dict):
     """layout → ns per update of each round (what ``counter_update_ns`` returns), with ``overlap``: layout →
     the share of each round in which every thread was updating at once, on a CPU (native/sharing.c)."""
 
-    def __init__(self, layouts):
+    def __init__(self, layouts: dict[str, str]) -> None:
         super().__init__({name: [] for name in layouts})
         self.overlap: dict[str, list[float]] = {name: [] for name in layouts}
 
@@ -708,18 +708,17 @@ class ModelRegion:
     """While open, ``interleaved`` runs (and the sweeps built on it) cycle over MODEL_REGION_BYTES instead of
     REGION_BYTES: ``with lesson.ModelRegion(): lesson.batch_sweep(bench, provider="sim", ...)``."""
 
-    def __enter__(self):
+    def __enter__(self) -> "ModelRegion":
         global REGION_BYTES
         self.saved, REGION_BYTES = REGION_BYTES, MODEL_REGION_BYTES
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         global REGION_BYTES
         REGION_BYTES = self.saved
-        return False
 
 
-def chapter_runs(bench, chapters, rounds: int = 3, provider: str | None = "sim", **setup) -> dict:
+def chapter_runs(bench: Any, chapters: list[str], rounds: int = 3, provider: str | None = "sim", **setup: Any) -> dict:
     """Chapters of tools.bench.PROGRESSION ("12", "13+", ...), each with only its own techniques on, run in
     turn ``rounds`` times through one target (``interleaved``), on MODEL_SETUP and ``setup``: chapter → runs.
     As in ``bench --progression``, every chapter drives ``threads`` GPU groups (one thread walks them all in
@@ -734,24 +733,24 @@ def chapter_runs(bench, chapters, rounds: int = 3, provider: str | None = "sim",
         return interleaved(bench, variants, rounds, provider, **setup)
 
 
-def medians(results: dict) -> dict:
+def medians(results: dict[Any, list]) -> dict:
     """label → the median run of its runs, by Gbps (the run that speaks for the label in a table)."""
     return {label: sorted(runs, key=lambda r: r.gbps)[(len(runs) - 1) // 2] for label, runs in results.items()}
 
 
-def wall_ns_per_write(r) -> float:
+def wall_ns_per_write(r: Any) -> float:
     """ns each writer thread spent per write it made: the run's time × its writer threads / its writes."""
     return r.elapsed_s * r.threads / max(1, r.writes) * 1e9
 
 
-def on_cpu_share(r) -> float:
+def on_cpu_share(r: Any) -> float:
     """The share of the run's time its writer threads were on a CPU: the writer process's CPU time per
     write (``cpu_ns_per_op``, warm-up and start included) over ``wall_ns_per_write``. Near 1: the threads
     had their cores; well below: they waited for a core (the target, the notebook, other processes)."""
     return r.cpu_ns_per_op / max(1e-9, wall_ns_per_write(r))
 
 
-def percent_of_line(r) -> float:
+def percent_of_line(r: Any) -> float:
     """A run's Gbps as a percentage of its NICs' aggregate link speed (the model reports 100 Gbps each)."""
     return 100 * r.gbps / r.line_gbps if r.line_gbps else float("nan")
 
