@@ -491,8 +491,11 @@ def memcpy_rate(threads: int, bytes_per_thread: int, repeats: int, cores: list[i
     return list(runs)
 
 
-def counter_update_ns(layout: str, threads: int, updates: int, cores: list[int]) -> float:
-    """native/sharing.c: ns per counter update with ``threads`` threads pinned in turn to ``cores``, each updating
-    ``updates`` times, the counters laid out as ``layout`` (FL_SHARED_ATOMIC, FL_PACKED_SLOTS or FL_PADDED_SLOTS);
-    negative when refused."""
-    return lib.fl_counter_bench(getattr(lib, layout), threads, updates, ffi.new("int[]", cores), len(cores))
+def counter_update_ns(layout: str, threads: int, updates: int, cores: list[int]) -> tuple[float, float]:
+    """native/sharing.c: (ns per counter update, overlap) with ``threads`` threads pinned in turn to ``cores``,
+    started together from a barrier, each updating ``updates`` times, the counters laid out as ``layout``
+    (FL_SHARED_ATOMIC, FL_PACKED_SLOTS or FL_PADDED_SLOTS); overlap is the share of the run in which every
+    thread was updating on a CPU. ns is negative when refused."""
+    overlap = ffi.new("double *")
+    ns = lib.fl_counter_bench(getattr(lib, layout), threads, updates, ffi.new("int[]", cores), len(cores), overlap)
+    return ns, overlap[0]

@@ -41,11 +41,21 @@ def test_counter_benchmark_measures_every_layout(layout):
     assert ns[layout][0] > 0
 
 
+def test_counter_benchmark_reports_how_far_its_threads_overlapped():
+    """The threads start together from a barrier and the benchmark says for what share of the run all of
+    them were updating at once; one thread always overlaps itself whole, rounds keep their order."""
+    ns = lesson.counter_update_ns(threads=2, updates=100_000, rounds=2, tries=1)
+    assert set(ns.overlap) == set(lesson.COUNTER_LAYOUTS)
+    assert all(len(ns.overlap[name]) == 2 and all(0 <= x <= 1 for x in ns.overlap[name]) for name in ns)
+    alone = lesson.counter_update_ns(threads=1, updates=1_000_000, rounds=1, min_overlap=0.5)
+    assert all(x > 0.5 for name in alone for x in alone.overlap[name])
+
+
 def test_counter_benchmark_refuses_bad_arguments():
-    assert lib.fl_counter_bench(lib.FL_SHARED_ATOMIC, 0, 1000, ffi.NULL, 0) < 0
-    assert lib.fl_counter_bench(lib.FL_PADDED_SLOTS + 1, 1, 1000, ffi.NULL, 0) < 0
-    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 1, 0, ffi.NULL, 0) < 0
-    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 2, 1000, ffi.NULL, 0) > 0  # unpinned
+    assert lib.fl_counter_bench(lib.FL_SHARED_ATOMIC, 0, 1000, ffi.NULL, 0, ffi.NULL) < 0
+    assert lib.fl_counter_bench(lib.FL_PADDED_SLOTS + 1, 1, 1000, ffi.NULL, 0, ffi.NULL) < 0
+    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 1, 0, ffi.NULL, 0, ffi.NULL) < 0
+    assert lib.fl_counter_bench(lib.FL_PACKED_SLOTS, 2, 1000, ffi.NULL, 0, ffi.NULL) > 0  # unpinned
 
 
 def test_nic_scaling_counts_every_write_and_the_engine_counters_add_up():
@@ -121,7 +131,7 @@ def test_the_tour_runs_a_lesson_without_the_kernels_transport_warning(tmp_path, 
     assert tour.read_results(tmp_path / "out")[0]["measured"] == "1.0 Gbps"
 
 
-# ---- lessons 09-12: checked facts, predictions, chapters on the model, the model in Python
+# ---- lessons 09-16: checked facts, predictions, chapters on the model, the model in Python
 
 def test_fact_and_check_print_what_held_and_refuse_what_is_no_number(capsys):
     assert lesson.fact("two is more than one", 2 > 1, "none") is True
@@ -137,6 +147,14 @@ def test_fact_and_check_print_what_held_and_refuse_what_is_no_number(capsys):
             lesson.check("ratio", bad, 1.0)
     with pytest.raises(fi.UsageError, match="tolerance"):
         lesson.check("ratio", 1.0, 1.0, within=-1)
+    with pytest.raises(fi.UsageError, match="tolerance"):
+        lesson.check("ratio", 1.0, 1.0, within=0)  # relative: no measurement repeats to the last bit
+
+
+def test_check_prints_the_prediction_beside_the_measurement(capsys):
+    assert lesson.check("x", 0.9, 1.0, within=0.2) is True
+    assert lesson.check("x", 0.5, 1.0, within=0.2) is False
+    assert "x: predicted 0.9, measured 1 -> right" in capsys.readouterr().out
 
 
 def test_model_nics_run_a_readers_loop_and_refuse_one_that_loses_writes():
@@ -174,6 +192,8 @@ def test_chapter_runs_take_the_progressions_switches_and_name_unknown_chapters()
     assert len(fig.axes[0].containers) >= 2 + 2  # article and measured bars, and a min-max bar per chapter
     with pytest.raises(fi.UsageError, match="no chapter 99"):
         lesson.chapter_runs(bench, ["9", "99"], rounds=1, provider=lesson.MODEL)
+    with pytest.raises(fi.UsageError, match="no chapter 16 in bench.PROGRESSION; choose from 7, 9, "):
+        lesson.chapter_runs(bench, ["16"])
 
 
 def test_noisy_neighbour_runs_while_open_and_is_gone_after():
@@ -202,3 +222,25 @@ def test_check_compares_a_prediction_within_its_tolerance(capsys):
     assert lesson.check("factor", 3.5, 3.48) and lesson.check("count", 48, 48, within=0)
     assert not lesson.check("factor", 2.0, 3.48) and not lesson.check("count", 47, 48, within=0)
     assert "wrong" in capsys.readouterr().out
+
+
+def test_posting_loop_counts_every_call_and_loses_no_write():
+    """The article's loop against the model: every write accepted once, every call accepted or refused,
+    and with one write per pass, one completion-queue read per pass."""
+    with lesson.LocalPair("sim", size=4 << 10) as pair:
+        for lazy in (False, True):
+            counts = lesson.posting_loop(pair, 300, batch=16, lazy=lazy, size=4 << 10)
+            assert counts.calls - counts.refused == 300
+            assert counts.polls == counts.passes and counts.passes <= 300
+            assert 1 <= counts.most_in_flight <= pair.info.tx_size
+            assert not pair.trace.ops  # the loop leaves the pair's trace empty for the next one
+
+
+def test_chapter_runs_on_the_model_are_verified_and_report_time_on_a_cpu():
+    runs = lesson.chapter_runs(bench, ["9", "15"], rounds=1, provider=lesson.MODEL, nics=4, total=64 << 20)
+    assert list(runs) == ["9", "15"]
+    for results in runs.values():
+        assert lesson.every_write_counted(results) and all(r.modeled for r in results)
+        r = results[0]
+        assert lesson.share_of_line(r) > 0 and lesson.wall_ns_per_write(r) > 0 and lesson.on_cpu_share(r) > 0
+    assert lesson.median_of(runs["15"], lambda r: r.gbps) == runs["15"][0].gbps

@@ -6,7 +6,10 @@
   interface), ``LocalPair`` (two endpoints in one process, with a ``Trace`` of posts and completions);
 * ``fabriclab.course.chapters``: chapters 9-16 measured (lesson 09 explains them): ``interleaved`` runs with
   ``spread``/``verdict``, per-write counters, each chapter's mechanism, checked facts (``fact``, ``not_shown``,
-  ``check``) and the reader's figure beside the article's and a recorded larger machine's.
+  ``check``) and the reader's figure beside the article's and a recorded larger machine's;
+* ``fabriclab.course.loops``: loops a reader builds against the modeled p5 (``ModelNics``; ``posting_loop``,
+  chapters 14 and 15's loop with its calls counted).
 """
 from .chapters import *  # noqa: F401,F403
+from .loops import *  # noqa: F401,F403
 from .showing import *  # noqa: F401,F403
