@@ -219,8 +219,8 @@ def test_relation_words_a_ratio_from_the_numbers_only():
 
 
 def test_check_compares_a_prediction_within_its_tolerance(capsys):
-    assert lesson.check("factor", 3.5, 3.48) and lesson.check("count", 48, 48, within=0)
-    assert not lesson.check("factor", 2.0, 3.48) and not lesson.check("count", 47, 48, within=0)
+    assert lesson.check("factor", 3.5, 3.48) and lesson.check("count", 48, 48, within=0, absolute=True)
+    assert not lesson.check("factor", 2.0, 3.48) and not lesson.check("count", 47, 48, within=0, absolute=True)
     assert "wrong" in capsys.readouterr().out
 
 
