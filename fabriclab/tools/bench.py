@@ -34,7 +34,7 @@ from .bench_report import (BenchResult, compare_steps, cores_used, describe_stag
 from .bench_target import api_target, gpu_copy
 from .peers import ServerProcess
 
-__all__ = ["BenchConfig", "BenchResult", "Bench", "run", "sweep", "progression", "PROGRESSION", "STAGES",
+__all__ = ["BenchConfig", "BenchResult", "Bench", "run", "sweep", "progression", "PROGRESSION", "PROGRESSION_TOTAL", "STAGES",
            "DEFAULTS", "TARGET_MODULE", "add_arguments", "size_list", "main", "format_table", "print_results",
            "cores_used", "compare_steps", "COPY_FLOOR_BYTES", "last_level_cache_bytes", "memcpy_rate", "memcpy_gbps",
            "api_comparison", "api_target", "gpu_copy", "format_api", "describe_staging", "DEFAULTS_SHAPES",
@@ -42,6 +42,11 @@ __all__ = ["BenchConfig", "BenchResult", "Bench", "run", "sweep", "progression",
 
 # The multi-NIC target serves every stage: it is chapter 6's target plus NIC sets.
 TARGET_MODULE = "fabriclab.multi_nic"
+
+#: --progression's bytes per run unless --total says otherwise: on the model a 256 MiB run lasts a millisecond
+#: or less, shorter than one scheduler slice, so a single lost slice halved a chapter's figure on a small box;
+#: 4 GiB runs last about 0.1 s at 3200 Gbps and still cost the model no memory (it moves no payload).
+PROGRESSION_TOTAL = 4 << 30
 
 #: The article's progression: chapter, what it adds, stage, switches that differ from "all on".
 PROGRESSION = [
@@ -267,6 +272,9 @@ def main(args) -> int:
         print(f"threads: {threaded.writer_threads(config.threads)[1]}"
               + ("; chapters 9-10: 1 writer thread walks the groups" if args.progression else ""), flush=True)
     if args.progression:
+        if config.total == DEFAULTS["total"]:
+            config.total = PROGRESSION_TOTAL
+            print(f"bytes per run: {cli.format_size(PROGRESSION_TOTAL)} (--total sets it)", flush=True)
         results = progression(rounds=args.rounds, **asdict(config))
     elif args.sweep:
         results = sweep(args.sweep, [config.in_flight], **asdict(config))

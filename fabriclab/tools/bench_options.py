@@ -36,7 +36,8 @@ def add_arguments(p) -> None:
                       help="run the stage once per page size, e.g. 4K,16K,64K,256K,1M (the same --total each)")
     runs.add_argument("--progression", action="store_true",
                       help="run chapters 7, 9-15 one after the other (each with its own techniques only; "
-                           "--threads is the number of GPU groups in every chapter)")
+                           "--threads is the number of GPU groups in every chapter; 4 GiB per run unless --total "
+                           "is given)")
     runs.add_argument("--api", action="store_true",
                       help="the same workload through fabriclab.Engine.write_pages and the stage-15 path, with the "
                            "Python cost per write_pages call")
