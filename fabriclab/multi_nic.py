@@ -275,10 +275,14 @@ class MultiNicWriter(Writer):
 
     def prepare(self, plan: PagePlan, memory_kind: str = "host", seed: int = 1) -> dict:
         self.release()
-        self.nicset = NicSet(self.stack.info.provider, self.nic_count, self.domains, memory_kind)
         groups = self.switches()["groups"]
+        # Without --nics every domain, and a slot per GPU group at least: each group drives NICs of its own, so
+        # on one domain (shm, tcp) the extra slots are emulated, as Engine() emulates a slot per thread there.
+        self.nicset = NicSet(self.stack.info.provider, self.nic_count, self.domains, memory_kind, at_least=groups)
         if groups > len(self.nicset.slots):
-            raise fi.UsageError(f"{groups} GPU groups need at least as many NICs, got {len(self.nicset.slots)}")
+            raise fi.UsageError(f"{groups} GPU groups need at least as many NICs, got {len(self.nicset.slots)}: "
+                                f"give --nics {groups} or more, or leave --nics out (a slot per group, emulated "
+                                "beyond this machine's NICs)")
         # each GPU with its own NICs (fabriclab.topology), so that a thread pinned beside a GPU drives that GPU's
         self.nic_groups = group_nics([s.domain_name for s in self.nicset.slots], groups,
                                      discover_topology(self.nicset.provider))
@@ -394,7 +398,8 @@ def add_engine_options(parser) -> None:
     """Chapter 7's options plus the NIC set's, the warm-up and failover."""
     opqueue.add_queue_options(parser)
     options = parser.add_argument_group("NICs and warm-up (chapters 9-10 on)")
-    options.add_argument("--nics", default=None, help="NIC slots (default: every domain; more = emulated)",
+    options.add_argument("--nics", default=None,
+                         help="NIC slots (default: every domain, and at least one per GPU group; more = emulated)",
                          type=cli.count("NIC slots", MAX_NICS, "slots beyond this machine's NICs are emulated: "
                                         "endpoints sharing a domain"))
     options.add_argument("--groups", type=cli.count("GPU groups", MAX_NICS, "each drives NICs of its own"),

@@ -331,6 +331,22 @@ def bench_command(*args, timeout=60):
                           timeout=timeout)
 
 
+def test_bench_api_with_more_threads_than_nics_runs_one_layout_on_both_paths():
+    """bench --api with its defaults on a 16-core host (8 threads, shm's one domain) stopped with "8 GPU groups
+    need at least as many NICs, got 1": without --nics the stage-15 path now takes a slot per GPU group, as
+    Engine() takes one per thread, and the Engine runs that same layout, emulated slots said as such."""
+    done = bench_command("--api", "--threads", "2", "--provider", "shm", "--total", "8M", "--rounds", "1", "--json",
+                         timeout=180)
+    assert done.returncode == 0, done
+    result = json.loads(done.stdout.splitlines()[-1])
+    layout = result["layout"]
+    assert (layout["nics"], layout["emulated_nics"], layout["groups"]) == (2, 1, 2)  # shm: one real domain
+    assert layout["engine"] == {"nics": 2, "emulated_nics": 1, "threads": layout["threads"]}
+    assert "layout of both paths: 2 NIC slot(s) (1 emulated: endpoints sharing a domain)" in done.stdout
+    assert "by default (no --nics)" in done.stdout
+    assert result["raw_gbps"] > 0 and result["api_gbps"] > 0
+
+
 @pytest.mark.skipif(gpu.cuda_status() == "ok", reason="CUDA is here: the GPU test runs the command")
 def test_bench_api_gpu_memory_without_cuda_says_what_to_install():
     done = bench_command("--api", "--memory", "cuda", "--provider", "shm")

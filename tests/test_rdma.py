@@ -144,6 +144,24 @@ def test_bench_sweep_from_the_command_line():
     assert " 4 KiB " in rows[0] and " 64 KiB " in rows[1]
 
 
+def test_bench_progression_with_more_groups_than_nics_emulates_a_slot_per_group():
+    """--threads 2 over shm's one domain stopped chapter 9 with "2 GPU groups need at least as many NICs, got 1"
+    (so did --stage threaded and batched): without --nics every chapter from 9 on takes a slot per GPU group,
+    the extra one emulated and said so."""
+    if "shm" not in fi.available_providers():
+        pytest.skip("provider shm is not available here")
+    result = subprocess.run([sys.executable, "-m", "fabriclab", "bench", "--progression", "--threads", "2",
+                             "--provider", "shm", "--total", "8M", "--rounds", "1", "--json"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["label"].split()[0] for r in rows] == [step[0] for step in bench.PROGRESSION]
+    assert all(r["verified"] is True for r in rows)
+    assert (rows[0]["nics"], rows[0]["emulated_nics"]) == (1, 0)  # chapter 7: one NIC, no groups
+    assert all((r["nics"], r["emulated_nics"], r["groups"]) == (2, 1, 2) for r in rows[1:])
+    assert "2 (1 emu)" in result.stdout
+
+
 def stage_options(parser: argparse.ArgumentParser) -> dict[str, tuple[str, object]]:
     """--option -> (dest, default) for every option of a parser, its help aside."""
     return {option: (action.dest, action.default) for action in parser._actions

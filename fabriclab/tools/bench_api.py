@@ -11,6 +11,7 @@ import numpy as np
 from .. import fi, gpu, rdma_write
 from ..measure import gbps
 from .bench_options import BenchConfig
+from .bench_report import BenchResult
 from .bench_target import api_peer, gpu_copy, running_on
 
 
@@ -20,6 +21,10 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
     ``outstanding`` calls in flight) and through the stage-15 path (``batched``), alternating ``rounds``
     times and compared by their medians (one run of each swings by 10-20 % on a busy host), plus the
     Python cost of one ``write_pages`` call of 1, 16 and 256 pages.
+
+    Both paths run one layout, the stage-15 path's (``config`` as ``bench --stage batched`` takes it):
+    its NIC slots (``--nics``, else every domain and a slot per GPU group, emulated on one domain), its
+    writer threads and its target's threads are the Engine's and its target engine's; "layout" says them.
 
     With ``config.memory == "cuda"`` the Engine's source is GPU memory (gpu_copy) and so is its target
     where the target engine can take GPU memory as a target (else host memory, and the result says why);
@@ -35,29 +40,40 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
     for _ in range(rounds):
         raw = run(BenchConfig(**{**asdict(config), "stage": "batched", "verify": False}))
         raw_runs.append(raw.gbps)
-        measured = _api_round(config, raw.provider, () if overhead else calls, batch_pages, outstanding)
+        measured = _api_round(config, raw, () if overhead else calls, batch_pages, outstanding)
         api_runs.append(measured["gbps"])
         overhead = overhead or measured["us_per_call"]
     raw_gbps, api_gbps = float(np.median(raw_runs)), float(np.median(api_runs))
     return {"raw_gbps": raw_gbps, "api_gbps": api_gbps, "ratio": api_gbps / raw_gbps if raw_gbps else 0.0,
             "raw_runs": raw_runs, "api_runs": api_runs, "us_per_call": overhead,
-            "page_size": config.page_size, "threads": config.threads, "nics": raw.nics, "provider": raw.provider,
+            "page_size": config.page_size, "threads": raw.threads, "nics": raw.nics, "provider": raw.provider,
+            "layout": _layout(config, raw, measured["engine_layout"]),
             "caller_cores": measured["caller_cores"], "memory": config.memory, "raw_memory": raw.memory,
             "source": measured["source"], "target": measured["target"], "staging": measured["staging"],
             "target_staging": measured["target_staging"]}
 
 
-def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outstanding: int) -> dict:
+def _layout(config: BenchConfig, raw: BenchResult, engine: dict) -> dict:
+    """The layout both paths ran (the stage-15 run ``raw``'s), what the Engine made of it and who chose it."""
+    chosen = ("given by --nics" if config.nics is not None else
+              f"by default (no --nics): every domain ({raw.nics - raw.emulated_nics} here), and a slot per GPU group "
+              "at least")
+    return {"nics": raw.nics, "emulated_nics": raw.emulated_nics, "groups": raw.groups, "threads": raw.threads,
+            "target_threads": raw.target_threads, "engine": engine, "chosen": chosen}
+
+
+def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, outstanding: int) -> dict:
     """One timed pass through the Engine (a fresh target process and engine, so that neither idles beside
-    the raw runs): Gbps, the Python µs per call for each size in ``calls``, the calling thread's cores, the
-    path of each region and both engines' staging figures."""
+    the raw runs) on the layout of the stage-15 run ``raw``: Gbps, the Python µs per call for each size in
+    ``calls``, the calling thread's cores, the path of each region, both engines' staging figures and the
+    Engine's NIC slots and threads ("engine_layout")."""
     from ..engine import Engine
     plan = rdma_write.PagePlan.for_total(config.page_size, config.total)
     cuda = config.memory == "cuda"
-    with api_peer(provider, config.domain, (config.nics, config.threads), plan.buffer_bytes,
+    with api_peer(raw.provider, config.domain, (raw.nics, raw.target_threads), plan.buffer_bytes,
                   config.memory) as target:
         address, descriptor = target["address"], target["descriptor"]
-        with Engine(provider, domains=config.domain, nics=config.nics, threads=config.threads, pin=config.pin,
+        with Engine(raw.provider, domains=config.domain, nics=raw.nics, threads=raw.threads, pin=config.pin,
                     batch=config.batch, fi_more=config.fi_more, timeout=config.timeout,
                     in_flight=config.in_flight, gpu=cuda) as engine, running_on(engine.housekeeping_cores):
             caller_cores = sorted(os.sched_getaffinity(0))
@@ -92,6 +108,7 @@ def _api_round(config: BenchConfig, provider: str, calls, batch_pages: int, outs
                     t.result()
                 overhead[n] = spent / 50 * 1e6
             staging = engine.stats()["staging"]
-    return {"gbps": rate, "us_per_call": overhead, "caller_cores": caller_cores,
+            layout = {"nics": engine.nics, "emulated_nics": engine.emulated_nics, "threads": engine.threads}
+    return {"engine_layout": layout, "gbps": rate, "us_per_call": overhead, "caller_cores": caller_cores,
             "source": {"path": region.path, "why": region.why}, "target": target["target"], "staging": staging,
             "target_staging": target["target_staging"]}

@@ -137,16 +137,17 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
 
 
 def format_api(r: dict) -> str:
-    """api_comparison's result in words: both paths' Gbps, the Python cost per call and, for GPU memory,
-    the path each region took and what went through the staging pools."""
-    lines = [f"{r['provider']}, {r['nics']} NICs, {r['threads']} thread(s), {cli.format_size(r['page_size'])} pages, "
+    """api_comparison's result in words: both paths' Gbps, the Python cost per call, the layout both ran and,
+    for GPU memory, the path each region took and what went through the staging pools."""
+    lines = [f"{r['provider']}, {cli.format_size(r['page_size'])} pages, "
              f"{r['memory']} memory: stage-15 path {r['raw_gbps']:.2f} Gbps, Engine.write_pages {r['api_gbps']:.2f} "
              f"Gbps ({r['ratio'] * 100:.1f} % of it); medians of {len(r['raw_runs'])} alternating runs "
              f"(stage 15: {', '.join(f'{g:.1f}' for g in r['raw_runs'])}; Engine: "
              f"{', '.join(f'{g:.1f}' for g in r['api_runs'])}); the calling thread ran on cores "
              f"{','.join(map(str, r['caller_cores']))}",
              "Python cost per write_pages call: " + ", ".join(f"{n} page(s) {us:.1f} us"
-                                                            for n, us in r["us_per_call"].items())]
+                                                            for n, us in r["us_per_call"].items()),
+             _describe_api_layout(r["layout"])]
     if r["memory"] == "cuda":
         for side in ("source", "target"):
             path = r[side]
@@ -155,6 +156,14 @@ def format_api(r: dict) -> str:
         for side, staging in (("source", r["staging"]), ("target", r["target_staging"])):
             lines.append(f"staging on the {side} side: {describe_staging(staging)}")
     return "\n".join(lines)
+
+
+def _describe_api_layout(layout: dict) -> str:
+    """api_comparison's "layout" in words: the one both paths ran, emulated slots said as such."""
+    emulated = layout["emulated_nics"]
+    nics = f"{layout['nics']} NIC slot(s)" + (f" ({emulated} emulated: endpoints sharing a domain)" if emulated else "")
+    return (f"layout of both paths: {nics}, {layout['threads']} writer thread(s) for {layout['groups']} GPU "
+            f"group(s), {layout['target_threads']} target thread(s); NIC slots {layout['chosen']}")
 
 
 def describe_staging(staging: dict) -> str:
