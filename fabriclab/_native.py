@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 
 RING_CAPACITY = 4096  # pending writes per NIC (fl_nic.ring)
 MAX_NICS, MAX_THREADS = lib.FL_MAX_NICS, lib.FL_MAX_THREADS
+# How long fabriclab waits for one of its threads (an engine's workers and reaper, the landing and staging
+# threads, a course target loop) to leave a provider call before it takes the thread for stuck and leaves
+# it, with everything it may touch, alive for the life of the process: native/service.h (fl_service_stop)
+# says why, and is where the figure is set (FL_STOP_TIMEOUT_S, fl_engine_free's own wait).
+WORKER_EXIT_TIMEOUT: float = lib.FL_STOP_TIMEOUT_S
 MAX_BATCH = 1 << 16  # writes enqueued per pass: far more than any queue takes at once
 NO_IMM = lib.FL_NO_IMM  # the immediate data of a write whose caller gave none (targets still see traffic)
 # A caller's immediate data fits the low FL_IMM_VALUE_BITS bits; the bits above carry how many pages a write
@@ -364,9 +369,9 @@ class NativeEngine:
 
     def stop_service(self, timeout: float) -> int:
         """Stop the worker threads and join them; what they had not finished stays unfinished. Waits at most
-        ``timeout`` seconds: returns 0, or how many threads were still inside the engine then (a worker stuck
-        in a provider call that never returns: shm spins for ever on a lock its killed peer held). Those are
-        left running at idle priority, and the native engine is then not freed while they are there."""
+        ``timeout`` seconds: returns 0, or how many threads were still inside the engine then (stuck in a
+        provider call: WORKER_EXIT_TIMEOUT says why). Those are left running at idle priority, and the native
+        engine is then not freed while they are there."""
         return lib.fl_service_stop(self._ptr, timeout)
 
 

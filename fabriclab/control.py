@@ -188,7 +188,7 @@ class ControlChannel:
 
     Messages wait per destination: one that takes nothing (a peer gone, whose provider keeps answering
     EAGAIN) holds up no other, and is reported failed once it took nothing for ``unreachable_s``. A send
-    call that never returns (shm spins for ever on the lock of a peer killed in its progress) is seen by
+    call that never returns (stuck in the provider; why: native/service.h, at fl_service_stop) is seen by
     ``wedged``: ``supersede`` then reports its destination failed and leaves the stuck thread to the
     provider at idle priority, for another thread to serve the channel; the endpoint is never closed then
     (the stuck call still uses it)."""

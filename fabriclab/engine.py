@@ -510,9 +510,9 @@ class Engine:
         stop reading the buffer (a shared-memory peer may still copy from it).
 
         Never blocks for long: a worker thread that has not stopped within WORKER_EXIT_TIMEOUT seconds is
-        stuck inside the provider (shm spins for ever on a lock its peer held when it was killed). It is
-        left running at idle priority, a warning says so (``stats()["stranded_threads"]`` counts it), and
-        the NICs, registrations and staging pool it may still touch stay open until the process exits.
+        stuck inside a provider call (native/service.h, at fl_service_stop, says how and why). It is left
+        running at idle priority, a warning says so (``stats()["stranded_threads"]`` counts it), and the NICs,
+        registrations and staging pool it may still touch stay open until the process exits.
 
         Engines of this process that wrote to this one (or that it wrote to, with writes left unanswered) keep
         its endpoints open in libfabric, unused, until they close too (fabriclab._inprocess: shm crashes the

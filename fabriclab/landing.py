@@ -111,7 +111,7 @@ class Landing:
                 "landing_copy_seconds": round(self.target.copy_seconds(), 6), "landing_jobs": len(self.writer.jobs),
                 "bad_control_messages": self.rejected.total, "control_threads_stranded": self.channel.stranded}
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = _native.WORKER_EXIT_TIMEOUT) -> None:
         with self.lock:
             self.closed = True
         self.thread.join(timeout)

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import bidirectional, cli, fi, memory, opqueue, rdma_write
-from ._native import MAX_NICS, NativeEngine, NativeTarget, RunConfig, write_run
+from ._native import MAX_NICS, WORKER_EXIT_TIMEOUT, NativeEngine, NativeTarget, RunConfig, write_run
 from .nics import NicGroups, NicSet, discover_topology, group_nics, release_nics, worker_cores
 from .rdma_write import PagePlan, Report, Writer, WriteStats
 
@@ -39,8 +39,9 @@ PREPARE_NICS, REGIONS = 10, 11
 #: HEARTBEAT_S), and the run is over (every write completed on its side), with what the target must see.
 RUNNING, RUN_OVER = 13, 14
 HEARTBEAT_S = 0.5  # well below any target's timeout: a writer silent for that long is taken for dead
-# Target loops that did not stop when told (stuck inside a provider call: shm can spin for ever on a lock its
-# killed peer held), with everything they may still touch: kept for the life of the process, never freed under them.
+# Target loops that did not stop within WORKER_EXIT_TIMEOUT when told (stuck inside a provider call; why:
+# native/service.h, at fl_service_stop), with everything they may still touch: kept for the life of the process,
+# never freed under them.
 _STUCK_LOOPS: list = []
 
 
@@ -164,10 +165,10 @@ class MultiNicTarget(rdma_write.Target):
     def release(self) -> None:
         if self._loop is not None and self._loop.is_alive():
             self.loop.stop()
-            self._loop.join(5)
+            self._loop.join(WORKER_EXIT_TIMEOUT)
             if self._loop.is_alive():
-                print("target: the last run's thread did not stop within 5 s (stuck in the provider): its NICs and "
-                      "memory stay allocated", flush=True)
+                print(f"target: the last run's thread did not stop within {WORKER_EXIT_TIMEOUT:g} s (stuck in the "
+                      "provider): its NICs and memory stay allocated", flush=True)
                 _STUCK_LOOPS.append((self._loop, self.engine, self.loop, self.registrations, self.nicset, self.buffer))
                 self.engine, self.registrations, self.nicset, self.buffer = None, [], None, None
         self._loop, self.loop = None, None

@@ -128,7 +128,7 @@ class NicSet:
 
     def keep_open(self) -> None:
         """Never close these NICs, not even at interpreter exit: a thread stuck inside the provider may still
-        use them (closing shm's endpoints unmaps the peer region that thread spins on)."""
+        use them (why: native/service.h, at fl_service_stop)."""
         for fabric in self.fabrics:
             fabric.keep_open()
 

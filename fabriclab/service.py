@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _native, fi, landing, shmclean, staged, staging
+from ._native import WORKER_EXIT_TIMEOUT
 from .completions import TRANSFER_SLOTS, Completions, RegionState
 from .config import EngineConfig
 from .errors import TransferTimeout, closed_here
@@ -33,10 +34,6 @@ __all__ = ["Service", "RegionState", "CLOSED_HERE", "DEFAULT_STRIPE", "IMM_VALUE
 # one writer engine can have transfers in flight, so a writer with one value per transfer never fills it.
 IMM_VALUES = TRANSFER_SLOTS
 DEFAULT_STRIPE = 1 << 20
-# How long Engine.close waits for its worker threads to leave the native engine. A healthy worker leaves
-# within microseconds; one that has not by then is stuck inside a provider call (shm spins for ever on a
-# lock its peer held when it was killed), and waiting longer would not help.
-WORKER_EXIT_TIMEOUT = 5.0
 # Services closed while threads were stuck in their native engine: whatever those threads may still touch
 # (NICs, registrations, buffers of unfinished transfers, the staging pool) stays open for the life of the
 # process, since nobody can tell when, if ever, they let go of it.
@@ -114,7 +111,7 @@ class Service:
             self.nics.close()
             raise
         self.av_entries: dict[tuple[int, bytes], int] = {}  # (our NIC slot, peer's raw address) -> fi_addr
-        self.renewal = Renewal(self.nics, self.groups, self.native, min(self.timeout, 5.0))
+        self.renewal = Renewal(self.nics, self.groups, self.native, min(self.timeout, WORKER_EXIT_TIMEOUT))
         self.max_msg_size = min(s.info.max_msg_size for s in self.nics.slots)
         self.submitted = {"transfers": 0, "pages": 0, "writes": 0}  # pages: as asked; writes: after coalescing
         # Busy workers poll without pause; any other busy thread landing on their cores stalls a NIC.
@@ -336,9 +333,9 @@ class Service:
             _STRANDED_SERVICES.append(self)
             self.nics.keep_open()
             log.warning(
-                "the engine closed with %d thread(s) that did not stop within %g s (stuck inside the %s provider: "
-                "shm spins for ever on a lock its peer held when it was killed): its NICs, registrations and "
-                "staging memory stay open until this process exits", left, WORKER_EXIT_TIMEOUT, self.provider)
+                "the engine closed with %d thread(s) that did not stop within %g s (stuck inside the %s provider; "
+                "why: native/service.h, fl_service_stop): its NICs, registrations and staging memory stay open "
+                "until this process exits", left, WORKER_EXIT_TIMEOUT, self.provider)
             return
         self.nics.close()
         staged.release_pools(self)  # no NIC has them registered any more

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import fi, gpu, memory
+from ._native import WORKER_EXIT_TIMEOUT
 
 if TYPE_CHECKING:
     from .transfer import Transfer
@@ -258,7 +259,7 @@ class Stager:
             self.jobs.append(job)
             self.cond.notify()
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self, timeout: float = WORKER_EXIT_TIMEOUT) -> None:
         with self.cond:
             self.closed = True
             self.cond.notify()

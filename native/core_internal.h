@@ -117,8 +117,8 @@ typedef struct engine_state {
     _Atomic int park_request[FL_MAX_THREADS], parked[FL_MAX_THREADS]; /* fl_worker_park */
     _Atomic uint64_t last_arrival_ns; /* when a peer's write last landed on any worker's NICs (resting.c) */
     /* Stopping (fl_service_stop). A worker clears its worker_running flag as the last thing it does; one
-     * still set at the stop's deadline is stuck inside a provider call (shm spins for ever on a lock that
-     * its killed peer held): it is detached, and everything it may touch stays allocated (stranded_threads:
+     * still set at the stop's deadline is stuck inside a provider call (why: service.h, fl_service_stop):
+     * it is detached, and everything it may touch stays allocated (stranded_threads:
      * how many flags fl_engine_free still has to find cleared before it frees the engine). `callers`:
      * threads inside fl_service_submit, _wait, _wake or fl_worker_park, which the stop waits for before it
      * frees the inboxes and the finished queue; `closing`: set by the stop, after which they stay out. */

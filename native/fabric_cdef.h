@@ -319,6 +319,7 @@ uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
 void fl_service_wake(fl_engine *e);
 int fl_service_stop(fl_engine *e, double timeout_s);
+static const double FL_STOP_TIMEOUT_S;
 void fl_service_revive(fl_engine *e);
 int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep);
 int fl_worker_park(fl_engine *e, int nic, double timeout_s);

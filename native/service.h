@@ -51,11 +51,19 @@ int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
 void fl_service_wake(fl_engine *e);
 /* Stop the workers and wait up to timeout_s for them, and for callers of fl_service_submit, _wait, _wake
  * and fl_worker_park, to leave; then free what fl_service_start allocated. Returns 0, or how many threads
- * were still inside (a worker stuck in a provider call that never returns: shm spins for ever on a lock
- * that its killed peer held): those workers are detached at idle priority, nothing they may touch is
- * freed, and fl_engine_free leaves the whole engine allocated as long as they are there. */
+ * were still inside: those workers are detached at idle priority, nothing they may touch is freed, and
+ * fl_engine_free leaves the whole engine allocated as long as they are there.
+ *
+ * Why a thread is given up on rather than waited for (the one statement of it; the rest of fabriclab, C
+ * and Python, refers here): a healthy thread leaves within microseconds; one still inside after
+ * FL_STOP_TIMEOUT_S is stuck in a provider call that never returns (shm spins for ever on a lock its
+ * killed peer held), and waiting longer would not help. What it may still touch (its NICs, endpoints,
+ * registrations, buffers) must never be closed or freed under it: closing shm's endpoints unmaps the
+ * peer region it spins on. */
 int fl_service_stop(fl_engine *e, double timeout_s);
-#define FL_STOP_TIMEOUT_S 5.0 /* fl_engine_free's stop, when the caller did not stop the service first */
+/* How long anything in fabriclab waits for one of its threads to leave a provider call before it takes it
+ * for stuck (above): fl_engine_free's stop, and in Python fabriclab._native.WORKER_EXIT_TIMEOUT. */
+#define FL_STOP_TIMEOUT_S 5.0
 /* Revival (Engine.connect): every worker forgets the paths it had marked dead and swaps in the fresh
  * endpoints handed over with fl_nic_renew, on its own thread, before it posts anything else. */
 void fl_service_revive(fl_engine *e);

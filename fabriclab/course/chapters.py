@@ -350,28 +350,7 @@ def lazy_sweep(bench, rounds: int = 3, provider: str | None = None, batch: int =
     return interleaved(bench, {k: {**common, **v} for k, v in variants.items()}, rounds, provider, **setup)
 
 
-# ---- the reader's figure beside the article's (lessons 09-15)
-
-def progression(bench, chapters, rounds: int = 3, context=(), provider: str | None = None, **changes):
-    """Run these chapters of tools.bench.PROGRESSION ``rounds`` times, interleaved (a fresh target each
-    round), after the ``context`` chapters (earlier ones, there to complete the chart) once. Returns each
-    chapter's median run (by Gbps), all runs, and for each thread count the memcpy ceiling: the median
-    memcpy of the same bytes with that many threads."""
-    provider, domain = fabric(provider)
-    setup = {**ENGINE_SETUP, "provider": provider, "domain": domain, **changes}
-    with _SmallRegion(provider):
-        runs = list(bench.progression(chapters=list(context), **setup)) if context else []
-        for _ in range(rounds):
-            runs += bench.progression(chapters=list(chapters), **setup)
-    chosen, memcpy = {}, {}
-    for chapter in dict.fromkeys(r.label.split()[0] for r in runs):
-        mine = sorted((r for r in runs if r.label.split()[0] == chapter), key=lambda r: r.gbps)
-        chosen[chapter] = mine[len(mine) // 2]
-    for r in runs:
-        memcpy.setdefault(r.threads, []).append(r.memcpy_gbps)
-    ceiling = {threads: float(np.median(values)) for threads, values in memcpy.items()}
-    return chosen, runs, ceiling
-
+# ---- the article's figures beside the reader's (lessons 09-16)
 
 def article(chapter: str):
     """The article's (Gbps, percent of its line rate) for a chapter, or None for this project's extras."""
@@ -382,49 +361,23 @@ def article(chapter: str):
     return gbps, 100 * gbps / line
 
 
-def percents(chosen: dict, ceiling: dict) -> dict:
-    """Each chapter's run as a percentage of the memcpy ceiling for its number of threads."""
-    return {chapter: 100 * r.gbps / ceiling[r.threads] for chapter, r in chosen.items()}
-
-
-def progression_table(chosen: dict, ceiling: dict, runs: list) -> None:
-    """One row per chapter: runs, NIC slots (emulated ones counted), threads, the median run's Gbps with
-    the min-max of all its runs, writes per second, refusals per write and share of the memcpy ceiling;
-    then the article's figures."""
-    import os
-    share = percents(chosen, ceiling)
-    print(f"{'chapter':<27}{'runs':>5}{'NICs':>10}{'threads':>8}{'Gbps (min-max)':>20}{'Mops/s':>8}"
-          f"{'EAGAIN/write':>13}{'% memcpy':>10}  | article: Gbps  % of line rate")
-    for chapter, r in chosen.items():
-        rates = [x.gbps for x in runs if x.label == r.label]
-        nics = f"{r.nics} ({r.emulated_nics} emu)" if r.emulated_nics else str(r.nics)
-        theirs = article(chapter)
-        ref = f"{theirs[0]:14.1f}  {theirs[1]:5.1f} %" if theirs else "  (not in the article)"
-        gbps = f"{r.gbps:.2f} ({min(rates):.1f}-{max(rates):.1f})"
-        print(f"{r.label:<27}{len(rates):>5}{nics:>10}{r.threads:>8}{gbps:>20}{r.mops:8.3f}"
-              f"{r.eagain / max(1, r.writes):13.2f}{share[chapter]:9.1f} %  |{ref}")
-    print("memcpy ceiling (same bytes, median):",
-          ", ".join(f"{g:.1f} Gbps with {t} thread{'s' if t > 1 else ''}" for t, g in sorted(ceiling.items())))
-    print(f"cores this process may use: {len(os.sched_getaffinity(0))}")
-
-
 # ---- a larger machine's progression beside the reader's (issue 23: what more cores do)
 
 def beside_recorded(measured: dict[str, float], measured_label: str,
                     recording: recorded.Recording | None = None, **options: Any) -> Any:
-    """course.figures.progression (a matplotlib Figure) of the reader's percentages with the recording's beside
-    them, labelled "recorded" with its cores and provider, after printing where it was recorded; without a
-    recording shipped it prints that and draws the reader's alone. ``measured`` must be the recording's
+    """course.figures.progression_bars (a matplotlib Figure) of the reader's percentages with the
+    recording's beside them, labelled "recorded" with its cores and provider, after printing where it was
+    recorded; without a recording shipped it prints that and draws the reader's alone. ``measured`` must be the recording's
     measure (``Chapter.percent``: % of the line on the model, as lesson 16 draws it), or the bars compare
-    nothing. ``options`` go to figures.progression."""
+    nothing. ``options`` go to figures.progression_bars."""
     from . import figures
     recording = recording if recording is not None else recorded.shipped()
     if recording is None:
         print(f"no recording from a larger machine is shipped with this fabriclab; {recorded.HOW}")
-        return figures.progression(measured, measured_label=measured_label, **options)
+        return figures.progression_bars(measured, measured_label=measured_label, **options)
     print(recording.describe())
-    return figures.progression(measured, measured_label=measured_label, recorded=recording.percents(),
-                               recorded_label=recording.label, **options)
+    return figures.progression_bars(measured, measured_label=measured_label, recorded=recording.percents(),
+                                    recorded_label=recording.label, **options)
 
 
 # ------------------------------------------------ lessons 09-12: checked facts, chapters on the model
@@ -550,13 +503,13 @@ def chapter_table(results: dict) -> None:
 
 
 def progression_chart(results: dict, current: str, title: str, measured_label: str):
-    """figures.progression of chapter_runs' results (each chapter's median % of line, or of memcpy), with
-    a bar from the min to the max of its runs on each measured bar."""
+    """figures.progression_bars of chapter_runs' results (each chapter's median % of line, or of memcpy),
+    with a bar from the min to the max of its runs on each measured bar."""
     from . import figures
     names = sorted(set(results) | {str(c) for c in range(9, 16)}, key=figures._chapter_key)
     shares = {c: spread(share_of_line(r) for r in runs) for c, runs in results.items()}
-    fig = figures.progression({c: s[0] for c, s in shares.items()}, current=current, chapters=names,
-                              measured_label=measured_label + " (median; bars: min to max)", title=title)
+    fig = figures.progression_bars({c: s[0] for c, s in shares.items()}, current=current, chapters=names,
+                                   measured_label=measured_label + " (median; bars: min to max)", title=title)
     ax = fig.axes[0]
     for i, name in enumerate(names):
         if name in shares:

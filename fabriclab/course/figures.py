@@ -440,7 +440,7 @@ def _chapter_key(chapter) -> int:
     return PROGRESSION_ORDER.index(text) if text in PROGRESSION_ORDER else len(PROGRESSION_ORDER)
 
 
-def progression(measured: Mapping[str, float], article: Mapping[int, tuple[float, float]] | None = None,
+def progression_bars(measured: Mapping[str, float], article: Mapping[int, tuple[float, float]] | None = None,
                 current: str | None = None, chapters: Sequence[str] | None = None,
                 measured_label: str = "here: % of the memcpy ceiling",
                 article_label: str = "article (p5): % of its line rate",
