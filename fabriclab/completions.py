@@ -98,6 +98,14 @@ class Completions:
         self.expectations.append((imm, count, future, deadline))
         self.next_deadline = min(self.next_deadline, deadline)
 
+    def still_running(self, state: RegionState) -> int:
+        """How many of the transfers that hold ``state``'s region may still complete: those whose future has not
+        resolved. A transfer that failed holds its id (and the region's registration) until the provider
+        reports the writes the engine gave up on, which may be never (a write into a dead peer): it ended, and
+        nobody waits for it but the registration. The caller holds the lock."""
+        ended = sum(1 for transfer, used, _ in self.in_use.values() if used is state and transfer.done())
+        return state.in_use - ended
+
     def retire(self, state: RegionState) -> None:
         """Deregister a closed region once no write can touch it; fail what still uses it with RegionClosed."""
         with self.lock:

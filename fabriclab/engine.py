@@ -130,9 +130,12 @@ class Region:
             raise RegionClosed(f"region {self.id} is closed", buffer_safe=True)
 
     def close(self, timeout: float | None = None) -> None:
-        """Deregister. Transfers still using the region are waited for (up to ``timeout``, default the
-        engine's), then failed with RegionClosed; the registration itself stays until no write can touch
-        the memory. Closing after the engine closed does nothing (the engine took its registrations)."""
+        """Deregister. Transfers still running with the region are waited for (up to ``timeout``, default the
+        engine's; a warning says so after a second), then failed with RegionClosed. Transfers that already
+        failed (PeerLost, TransferTimeout) are not waited for, even where writes the engine gave up on were
+        never reported (a dead peer's never are): the registration itself stays until no write can touch the
+        memory, at the latest until the engine closes. Closing after the engine closed does nothing (the
+        engine took its registrations)."""
         if self._state.closed:
             return
         seconds = fi.seconds(timeout, "timeout", self.engine.timeout)
@@ -140,7 +143,7 @@ class Region:
         service = self.engine._service
         if self.lands and service.landing is not None:
             service.landing.target.remove_region(self.id)  # later pages for it are refused
-        service.close_region(self._state, seconds)
+        service.close_region(self._state, seconds, self.id)
 
     def __enter__(self) -> Region:
         return self

@@ -37,6 +37,9 @@ DEFAULT_STRIPE = 1 << 20
 # within microseconds; one that has not by then is stuck inside a provider call (shm spins for ever on a
 # lock its peer held when it was killed), and waiting longer would not help.
 WORKER_EXIT_TIMEOUT = 5.0
+# How long Region.close waits for transfers still running before it says so (a log warning): a healthy
+# transfer of a few MiB is done in milliseconds; one waiting this long may wait out the whole timeout.
+CLOSE_NOTICE_S = 1.0
 # Services closed while threads were stuck in their native engine: whatever those threads may still touch
 # (NICs, registrations, buffers of unfinished transfers, the staging pool) stays open for the life of the
 # process, since nobody can tell when, if ever, they let go of it.
@@ -273,11 +276,26 @@ class Service:
         peer's)."""
         return staged.start_landing(self)
 
-    def close_region(self, state: RegionState, timeout: float) -> None:
+    def close_region(self, state: RegionState, timeout: float, region_id: int) -> None:
+        """Wait up to ``timeout`` for what may still complete with the region (transfers not yet resolved, and
+        staging and landing copies), then retire it: the reaper fails what is left with RegionClosed and
+        deregisters it once no write can touch it. Transfers that already failed are not waited for: writes
+        the engine gave up on may never be reported (into a dead peer), and their registration is kept anyway."""
         if self.pid != os.getpid():
             return  # the registrations belong to the parent of a fork
-        deadline = time.monotonic() + timeout
-        while state.in_use > 0 and time.monotonic() < deadline and not self.closed:
+        start = time.monotonic()
+        deadline, told = start + timeout, False
+        while time.monotonic() < deadline and not self.closed:
+            with self.lock:
+                running = self.book.still_running(state)
+            if running <= 0:
+                break
+            if not told and time.monotonic() - start > CLOSE_NOTICE_S:
+                told = True
+                log.warning("closing region %d: %d transfer(s) using it are still running (no completion and no "
+                            "error yet: their peer may be stopped, slow, or gone without the provider saying so); "
+                            "waiting up to %.1f s more, then they fail with RegionClosed. Region.close(timeout=...) "
+                            "bounds this wait", region_id, running, deadline - time.monotonic())
             time.sleep(0.001)
         if not self.closed:  # else closing the engine deregistered everything
             self.book.retire(state)  # the reaper fails what is left with RegionClosed
