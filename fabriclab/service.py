@@ -238,6 +238,7 @@ class Service:
         nbytes = n * lengths if isinstance(lengths, int) else int(lengths.sum())
         deadline = time.monotonic() + timeout
         transfer = Transfer(n, nbytes, deadline, Safety(self.timeout), pages)
+        transfer._peer_process = peer.process
         routes = peer._routes_to(region, remote)
         # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
         # worker threads see traffic arrive and keep polling: software providers need the target to poll.

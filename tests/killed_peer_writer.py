@@ -3,11 +3,11 @@ peer mid-transfer, then closes its Engine, and prints one JSON line saying how i
 pytest because a provider may leave a worker thread spinning for ever (shm on a lock its killed peer held),
 and only the end of the process ends such a thread.
 
-    python tests/killed_peer_writer.py PROVIDER DOMAIN PAGES TRANSFERS SUBMITTERS wait|close|region
+    python tests/killed_peer_writer.py PROVIDER DOMAIN PAGES TRANSFERS SUBMITTERS wait|close|region|region-now
 PAGES pages of 1 MiB per transfer, TRANSFERS transfers from each of SUBMITTERS threads; "wait" waits for
 every transfer before closing, "close" closes while they are in flight, "region" waits for every transfer,
-then closes the region (``Region.close()`` with the engine's timeout) before the engine. Prints {"close_s",
-"region_close_s" (null but in "region" mode), "timeout" (the engine's), "stranded", "outcomes": [[type,
+then closes the region (``Region.close()`` with the engine's timeout) before the engine, "region-now" closes
+the region at once, its transfers in flight (the region modes' link timeout is the deadline). Prints {"close_s", "region_close_s" (null but in the region modes), "timeout" (the engine's), "stranded", "outcomes": [[type,
 buffer_safe], ...] ("ok" for a success), "exit_timeout", "submitters_alive", "shm_left" (this
 process's shm regions after the close)}."""
 import json
@@ -27,8 +27,10 @@ pages, transfers, submitters = int(pages), int(transfers), int(submitters)
 
 peer_proc = PeerProcess((provider, None if domain == "-" else domain), pages * MiB)
 TIMEOUT = 6.0
-engine = Engine(provider, domains=None if domain == "-" else domain, pin=False, timeout=TIMEOUT, link_timeout=1,
-                gpu=False)
+# the region modes: a link as slow as the deadline, so that no stall ends the transfers early: the peer's death must
+LINK_TIMEOUT = TIMEOUT if mode.startswith("region") else 1.0
+engine = Engine(provider, domains=None if domain == "-" else domain, pin=False, timeout=TIMEOUT,
+                link_timeout=LINK_TIMEOUT, gpu=False)
 region = engine.register(np.full(pages * MiB, 7, np.uint8))
 peer = engine.connect(peer_proc.address)
 futures, refused = [], []
@@ -48,16 +50,16 @@ for t in threads:
     t.start()
 time.sleep(0.05)
 peer_proc.kill()
-if mode in ("wait", "region"):
+if mode != "close":
     for t in threads:
         t.join()
-    for future in futures:
+    for future in futures if mode in ("wait", "region") else ():
         try:
             future.result(30)
         except TransferError:
             pass
 region_close_s = None
-if mode == "region":
+if mode.startswith("region"):
     started = time.monotonic()
     region.close()
     region_close_s = time.monotonic() - started
