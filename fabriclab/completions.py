@@ -15,13 +15,14 @@ from typing import Any
 
 import numpy as np
 
-from . import _native
-from .errors import RegionClosed, TransferError, TransferTimeout, write_failure
+from . import _native, shmclean
+from .errors import PeerLost, RegionClosed, TransferError, TransferTimeout, write_failure
 from .nics import unique_registrations
 from .transfer import Transfer
 
 TRANSFER_SLOTS = 1 << 16
 LOST_WARNING_S = 10.0  # the most often the engine warns of immediate data it could not count
+PEER_CHECK_S = 0.25  # how often the reaper looks whether the peers of running transfers are gone (a few /proc reads)
 log = logging.getLogger("fabriclab")
 
 
@@ -59,6 +60,7 @@ class Completions:
         self.lost_warned = (0, -LOST_WARNING_S)  # immediate data not counted, as last warned of; when
         self.retired_regions: list[RegionState] = []
         self.next_deadline = float("inf")  # the earliest deadline the reaper has to look at
+        self.peers_checked = 0.0  # when the reaper last looked for transfers to peers that are gone
         self.closed = False
         self.thread: threading.Thread | None = None
 
@@ -97,6 +99,14 @@ class Completions:
         """Count ``imm`` for ``future``; the caller holds the lock and awaited ``imm`` with the native engine."""
         self.expectations.append((imm, count, future, deadline))
         self.next_deadline = min(self.next_deadline, deadline)
+
+    def still_running(self, state: RegionState) -> int:
+        """How many of the transfers that hold ``state``'s region may still complete: those whose future has not
+        resolved. A transfer that failed holds its id (and the region's registration) until the provider
+        reports the writes the engine gave up on, which may be never (a write into a dead peer): it ended, and
+        nobody waits for it but the registration. The caller holds the lock."""
+        ended = sum(1 for transfer, used, _ in self.in_use.values() if used is state and transfer.done())
+        return state.in_use - ended
 
     def retire(self, state: RegionState) -> None:
         """Deregister a closed region once no write can touch it; fail what still uses it with RegionClosed."""
@@ -156,6 +166,7 @@ class Completions:
                     self._guarded(self._check_expectation, item, now)
                 self._retire_regions()
                 self._warn_of_lost_counts(now)
+                self._fail_for_gone_peers(now)
             except Exception:  # a bug of ours: keep serving the other transfers, and say so
                 log.exception("the engine's reaper hit an error; it goes on")
                 time.sleep(0.01)
@@ -223,6 +234,28 @@ class Completions:
                 "pages nobody took. expect() of such a value raises UsageError; expect() every value peers write",
                 usage["lost"] - self.lost_warned[0], usage["last_lost"], usage["most"])
             self.lost_warned = (usage["lost"], now)
+
+    def _fail_for_gone_peers(self, now: float) -> None:
+        """Fail with PeerLost the running transfers whose peer, a process of this host, is gone (at most every
+        PEER_CHECK_S seconds): no write to it can complete, and a provider may never say so (shm neither
+        completes nor fails a write into a dead peer; a worker may even stay stuck inside it). Their ids, and
+        their regions' registrations, stay held until the engine reports their writes (or closes)."""
+        if now < self.peers_checked + PEER_CHECK_S:
+            return
+        self.peers_checked = now
+        with self.lock:
+            running = [(tid, t) for tid, (t, _, _) in self.in_use.items() if not t.done() and t._peer_process]
+        gone: dict[tuple[int, int, int], bool] = {}
+        for tid, transfer in running:
+            process = transfer._peer_process
+            assert process is not None  # selected above
+            if process not in gone:
+                gone[process] = shmclean.process_is_gone(*process)
+            left = self.counters(tid)[0]
+            if gone[process] and left > 0 and not transfer.done():
+                transfer.set_exception(PeerLost(
+                    f"the peer's process (pid {process[1]}, on this host) is gone: {left} of {transfer.writes} "
+                    "writes of the transfer can never complete", buffer_safe=False, safety=transfer._safety))
 
     def _expire(self, now: float) -> None:
         """Fail pending transfers whose deadline passed or whose region was closed; their ids stay in use

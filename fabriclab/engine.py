@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import os
 import secrets
 import weakref
 from typing import Any, ClassVar
@@ -130,9 +131,13 @@ class Region:
             raise RegionClosed(f"region {self.id} is closed", buffer_safe=True)
 
     def close(self, timeout: float | None = None) -> None:
-        """Deregister. Transfers still using the region are waited for (up to ``timeout``, default the
-        engine's), then failed with RegionClosed; the registration itself stays until no write can touch
-        the memory. Closing after the engine closed does nothing (the engine took its registrations)."""
+        """Deregister. Transfers still running with the region are waited for (up to ``timeout``, default the
+        engine's; a warning says so after a second), then failed with RegionClosed. Transfers to a peer whose
+        process on this host is gone fail with PeerLost within a fraction of a second, and transfers that
+        already failed (PeerLost, TransferTimeout) are not waited for, even where writes the engine gave up on were
+        never reported (a dead peer's never are): the registration itself stays until no write can touch the
+        memory, at the latest until the engine closes. Closing after the engine closed does nothing (the
+        engine took its registrations)."""
         if self._state.closed:
             return
         seconds = fi.seconds(timeout, "timeout", self.engine.timeout)
@@ -140,7 +145,7 @@ class Region:
         service = self.engine._service
         if self.lands and service.landing is not None:
             service.landing.target.remove_region(self.id)  # later pages for it are refused
-        service.close_region(self._state, seconds)
+        service.close_region(self._state, seconds, self.id)
 
     def __enter__(self) -> Region:
         return self
@@ -189,7 +194,7 @@ class Peer:
     """Another engine, reached through every one of our NICs. Writes are striped across them."""
 
     def __init__(self, engine: Engine, address: bytes) -> None:
-        engine_id, addresses, host = decode_address(address)
+        engine_id, addresses, host, process = decode_address(address)
         if engine_id in CLOSED_HERE:
             raise closed_here("the engine at that address", about_buffer=False)
         service = engine._service
@@ -198,6 +203,9 @@ class Peer:
         #: how writes reach this peer, in words: "the NICs", or shared memory where the provider takes a
         #: same-host detour
         self.transport = same_host_path(service.provider, host == host_identity())
+        #: the peer's process where it runs on this host (pid namespace, pid, start ticks): once it is gone, the
+        #: engine fails the transfers still running to it (PeerLost) instead of letting them sit out their deadline
+        self.process = process if host == host_identity() and process[1] != os.getpid() else None
         # our NIC i talks to the peer's NIC i (modulo its count): the peer's key for it is keys[i % n]
         self.remote_slot = [i % n for i in range(len(service.nics.slots))]
         self.fi_addrs: list[int] = []

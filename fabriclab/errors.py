@@ -45,7 +45,7 @@ class TransferError(fi.FabriclabError, RuntimeError):
 
 class PeerLost(TransferError):
     """No NIC reaches the peer any more: every path to it failed (connection refused, reset or dropped) or
-    stopped completing writes. The message says which. Not proof that the peer is gone: a write it could
+    stopped completing writes, or the peer's process, on this host, is gone. The message says which. Not proof that the peer is gone: a write it could
     not take (into a region it closed, with a stale descriptor) drops the connection on some providers
     (tcp) and stalls the path on others (shm). ``Engine.connect`` to the peer again revives its paths."""
 

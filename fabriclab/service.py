@@ -34,6 +34,9 @@ __all__ = ["Service", "RegionState", "CLOSED_HERE", "DEFAULT_STRIPE", "IMM_VALUE
 # one writer engine can have transfers in flight, so a writer with one value per transfer never fills it.
 IMM_VALUES = TRANSFER_SLOTS
 DEFAULT_STRIPE = 1 << 20
+# How long Region.close waits for transfers still running before it says so (a log warning): a healthy
+# transfer of a few MiB is done in milliseconds; one waiting this long may wait out the whole timeout.
+CLOSE_NOTICE_S = 1.0
 # Services closed while threads were stuck in their native engine: whatever those threads may still touch
 # (NICs, registrations, buffers of unfinished transfers, the staging pool) stays open for the life of the
 # process, since nobody can tell when, if ever, they let go of it.
@@ -232,6 +235,7 @@ class Service:
         nbytes = n * lengths if isinstance(lengths, int) else int(lengths.sum())
         deadline = time.monotonic() + timeout
         transfer = Transfer(n, nbytes, deadline, Safety(self.timeout), pages)
+        transfer._peer_process = peer.process
         routes = peer._routes_to(region, remote)
         # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
         # worker threads see traffic arrive and keep polling: software providers need the target to poll.
@@ -270,11 +274,26 @@ class Service:
         peer's)."""
         return staged.start_landing(self)
 
-    def close_region(self, state: RegionState, timeout: float) -> None:
+    def close_region(self, state: RegionState, timeout: float, region_id: int) -> None:
+        """Wait up to ``timeout`` for what may still complete with the region (transfers not yet resolved, and
+        staging and landing copies), then retire it: the reaper fails what is left with RegionClosed and
+        deregisters it once no write can touch it. Transfers that already failed are not waited for: writes
+        the engine gave up on may never be reported (into a dead peer), and their registration is kept anyway."""
         if self.pid != os.getpid():
             return  # the registrations belong to the parent of a fork
-        deadline = time.monotonic() + timeout
-        while state.in_use > 0 and time.monotonic() < deadline and not self.closed:
+        start = time.monotonic()
+        deadline, told = start + timeout, False
+        while time.monotonic() < deadline and not self.closed:
+            with self.lock:
+                running = self.book.still_running(state)
+            if running <= 0:
+                break
+            if not told and time.monotonic() - start > CLOSE_NOTICE_S:
+                told = True
+                log.warning("closing region %d: %d transfer(s) using it are still running (no completion and no "
+                            "error yet: their peer may be stopped, slow, or gone without the provider saying so); "
+                            "waiting up to %.1f s more, then they fail with RegionClosed. Region.close(timeout=...) "
+                            "bounds this wait", region_id, running, deadline - time.monotonic())
             time.sleep(0.001)
         if not self.closed:  # else closing the engine deregistered everything
             self.book.retire(state)  # the reaper fails what is left with RegionClosed

@@ -426,6 +426,28 @@ def _start_ticks(pid: int) -> int | None:
         return _UNREADABLE
 
 
+def this_process() -> tuple[int, int, int]:
+    """(pid namespace inode, pid, start in clock ticks after boot) of this process; 0 for what cannot be read.
+    What a peer on this host needs to tell later that this process is gone (:func:`process_is_gone`)."""
+    start = _start_ticks(os.getpid())
+    return _namespace("pid") or 0, os.getpid(), start if start and start > 0 else 0
+
+
+def process_is_gone(namespace: int, pid: int, start: int) -> bool:
+    """Whether the process :func:`this_process` described (in another process of this host) is proven gone:
+    its pid namespace is ours (else its pid means nothing here) and so is /proc, and no process has its pid, or
+    the one that has it is a zombie (killed, not yet reaped) or started at another time. False when in doubt."""
+    if not namespace or not start or namespace != _namespace("pid") or not _proc_is_ours():
+        return False
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or int(fields[19]) != start
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError, ValueError):
+        return False
+
+
 def _ticks_to_time(ticks: int) -> float:
     """A start time in clock ticks after boot, in seconds since the epoch (the file-time clock)."""
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))

@@ -137,6 +137,7 @@ class Transfer(AwaitableFuture):
         self.pages = writes if pages is None else pages
         self.started = time.perf_counter()
         self._safety = safety
+        self._peer_process: tuple[int, int, int] | None = None  # Peer.process of its peer, where known
         self.set_running_or_notify_cancel()  # running: cancel() refuses instead of lying
 
     def result(self, timeout: float | None = None) -> TransferResult:

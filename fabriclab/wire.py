@@ -1,7 +1,7 @@
 """The engine's wire format: what peers hand each other, one encode/decode pair per object.
 
 * an engine address (:func:`encode_address` / :func:`decode_address`): engine id, every NIC's fi address,
-  the host it runs on;
+  the host it runs on and its process there (so that a peer on that host can tell when it is gone);
 * a region descriptor (:func:`encode_region` / :func:`decode_region`): engine id, region id, length, and
   (base, key) per NIC;
 * a staged target's descriptor (:func:`encode_landing` / :func:`decode_landing`): the same head naming its
@@ -21,12 +21,14 @@ from typing import NamedTuple
 from . import fi
 from .errors import InvalidDescriptor, bad_address
 from .nics import host_identity
+from .shmclean import this_process
 
 ADDRESS_MAGIC, REGION_MAGIC, LANDING_MAGIC = b"FLEN", b"FLRG", b"FLRL"  # engine, region, staged target
 _REGION_HEAD = struct.Struct("<QIQH")  # engine id, region id, length, NIC count
 _NIC_KEY = struct.Struct("<QQ")  # a NIC's base and key
 _ADDRESS_HEAD = struct.Struct("<QH")  # engine id, NIC count
 _SIZE = struct.Struct("<H")  # a NIC address's length
+_PROCESS = struct.Struct("<QIQ")  # the engine's process: pid namespace inode, pid, start ticks (shmclean)
 # lanes' region id, their length, lane bytes, message bytes, the region's key, address length
 _LANDING_TAIL = struct.Struct("<IQIIQH")
 
@@ -55,17 +57,19 @@ def unseal(data: object, magic: bytes, what: str) -> bytes:
 
 
 class PeerAddress(NamedTuple):
-    """An engine address, decoded: the engine's id, each NIC's fi address, and its host's identity."""
+    """An engine address, decoded: the engine's id, each NIC's fi address, its host's identity and its process
+    there (pid namespace inode, pid, start ticks: ``shmclean.this_process``)."""
     engine_id: int
     nics: list[fi.Address]
     host: bytes
+    process: tuple[int, int, int]
 
 
 def encode_address(engine_id: int, nics: Sequence[bytes]) -> bytes:
-    """An engine address: ``engine_id``, each NIC's raw fi address, and this host's identity."""
+    """An engine address: ``engine_id``, each NIC's raw fi address, this host's identity and this process."""
     body = ADDRESS_MAGIC + _ADDRESS_HEAD.pack(engine_id, len(nics))
     body += b"".join(_SIZE.pack(len(raw)) + raw for raw in nics)
-    return seal(body + host_identity())
+    return seal(body + host_identity() + _PROCESS.pack(*this_process()))
 
 
 def decode_address(address: object) -> PeerAddress:
@@ -87,9 +91,11 @@ def decode_address(address: object) -> PeerAddress:
         except fi.UsageError as exc:
             raise bad_address(f"engine address is malformed: NIC entry {i}: {exc}") from None
         offset += 2 + size
-    if offset + len(host_identity()) != len(body) or not addresses:
+    host = len(host_identity())
+    if offset + host + _PROCESS.size != len(body) or not addresses:
         raise bad_address("engine address is truncated or malformed")
-    return PeerAddress(engine_id, addresses, body[offset:])
+    process = _PROCESS.unpack_from(body, offset + host)
+    return PeerAddress(engine_id, addresses, body[offset:offset + host], process)
 
 
 # ---------------------------------------------------------------------------------- region descriptors

@@ -296,6 +296,29 @@ def test_close_never_blocks_after_the_peer_is_killed_mid_transfer(fabric, submit
         assert not all(safe for kind, safe in outcomes if kind != "ok"), outcomes
 
 
+@pytest.mark.parametrize("mode", ["region", "region-now"], ids=["after-they-failed", "while-in-flight"])
+def test_closing_a_region_after_its_peer_was_killed_does_not_sit_out_the_timeout(fabric, mode):
+    """Transfers into a peer SIGKILLed mid-transfer fail typed; the region is closed after they failed, or at
+    once. Writes into a dead peer can never finish (shm never reports them, and its worker may stay stuck
+    inside the provider on a lock the peer held), so Region.close() must not wait for them (it waited the
+    engine's whole timeout: lesson 17 passed timeout=0.5 to get round it): the engine sees the peer's process
+    gone and fails them with PeerLost; their registration stays until the engine closes (a functional bound,
+    half the timeout, not a speed figure). In a process of its own: a stuck worker ends only with it."""
+    proc = subprocess.run([sys.executable, KILLED_PEER_WRITER, fabric[0], fabric[1] or "-", "256", "2", "1",
+                           mode], capture_output=True, text=True, timeout=150, cwd=os.path.dirname(__file__))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(report["region_close_s"], report["close_s"], report["stranded"], report["outcomes"])
+    assert report["region_close_s"] < report["timeout"] / 2, report
+    assert report["close_s"] < report["exit_timeout"] + 5
+    assert report["submitters_alive"] == 0
+    outcomes = report["outcomes"]
+    assert len(outcomes) == 2
+    assert all(kind in ("ok", "PeerLost", "TransferTimeout") for kind, _ in outcomes), outcomes
+    assert any(kind != "ok" for kind, _ in outcomes), "512 MiB into a killed peer all reported landed"
+    assert report["shm_left"] == [] or report["stranded"], "the writer left its shm regions behind"
+
+
 CLOSED_TARGET_HERE = os.path.join(os.path.dirname(__file__), "closed_target_here.py")
 
 

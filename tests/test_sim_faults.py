@@ -248,7 +248,7 @@ def test_engine_names_the_sender_limit_of_the_peers_endpoint(monkeypatch):
     descriptor". One modeled NIC on both engines."""
     monkeypatch.setenv("FABRICLAB_SIM_NICS", "1")
     with contextlib.closing(PeerProcess(("sim", None), 1 << 20)) as target, sending_endpoints(SENDER_LIMIT) as senders:
-        _, (nic,), _ = wire.decode_address(target.address)
+        _, (nic,), _, _ = wire.decode_address(target.address)
         for domain, _, ep in senders:
             mr = domain.register(np.zeros(1, dtype=np.uint8), endpoint=ep)
             assert ep.try_post_send(mr, 0, 1, ep.av.insert(nic), "hold a port")

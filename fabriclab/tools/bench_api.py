@@ -54,12 +54,17 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
 
 
 def _layout(config: BenchConfig, raw: BenchResult, engine: dict) -> dict:
-    """The layout both paths ran (the stage-15 run ``raw``'s), what the Engine made of it and who chose it."""
+    """The layout both paths ran (the stage-15 run ``raw``'s NIC slots and writer threads), what the Engine made of
+    it and who chose it. The targets differ by design: the course's target is one thread (as the article's
+    receiver), the Engine's target engine has the writer's threads (a worker per NIC group, as the library runs
+    everywhere): on a provider that moves bytes only while both sides poll, one target thread would cap the
+    Engine at what that thread can poll, and --api compares the two writers' costs, not two targets."""
     chosen = ("given by --nics" if config.nics is not None else
               f"by default (no --nics): every domain ({raw.nics - raw.emulated_nics} here), and a slot per GPU group "
               "at least")
     return {"nics": raw.nics, "emulated_nics": raw.emulated_nics, "groups": raw.groups, "threads": raw.threads,
-            "target_threads": raw.target_threads, "engine": engine, "chosen": chosen}
+            "target_threads": raw.target_threads, "engine_target_threads": raw.threads, "engine": engine,
+            "chosen": chosen}
 
 
 def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, outstanding: int) -> dict:
@@ -70,7 +75,7 @@ def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, o
     from ..engine import Engine
     plan = rdma_write.PagePlan.for_total(config.page_size, config.total)
     cuda = config.memory == "cuda"
-    with api_peer(raw.provider, config.domain, (raw.nics, raw.target_threads), plan.buffer_bytes,
+    with api_peer(raw.provider, config.domain, (raw.nics, raw.threads), plan.buffer_bytes,
                   config.memory) as target:
         address, descriptor = target["address"], target["descriptor"]
         with Engine(raw.provider, domains=config.domain, nics=raw.nics, threads=raw.threads, pin=config.pin,

@@ -163,7 +163,8 @@ def _describe_api_layout(layout: dict) -> str:
     emulated = layout["emulated_nics"]
     nics = f"{layout['nics']} NIC slot(s)" + (f" ({emulated} emulated: endpoints sharing a domain)" if emulated else "")
     return (f"layout of both paths: {nics}, {layout['threads']} writer thread(s) for {layout['groups']} GPU "
-            f"group(s), {layout['target_threads']} target thread(s); NIC slots {layout['chosen']}")
+            f"group(s); target threads: {layout['target_threads']} (stage 15), {layout['engine_target_threads']} "
+            f"(Engine); NIC slots {layout['chosen']}")
 
 
 def describe_staging(staging: dict) -> str:
