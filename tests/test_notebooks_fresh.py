@@ -44,7 +44,7 @@ def test_a_stamp_records_the_machine_the_commit_and_every_source(stamped):
     sources = record["sources"]
     # imported directly, run with -m, and imported by those in turn; the C of the extension fi loads
     assert {"<code cells>", "fabriclab/__init__.py", "fabriclab/bootstrap.py", "fabriclab/unidirectional.py",
-            "fabriclab/fi.py", "native/core.c", "native/build_ffi.py"} <= set(sources)
+            "fabriclab/fi/__init__.py", "native/core.c", "native/build_ffi.py"} <= set(sources)
     assert provenance.staleness(stamped) is None
 
 
