@@ -411,19 +411,27 @@ def _read(path: str) -> str:
 _UNREADABLE = -1
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks after boot; None when there is no such pid."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """``pid``'s state letter and start time (clock ticks after boot) from /proc; None when there is no such
+    pid, ("?", _UNREADABLE) when it cannot be read."""
     try:
         stat_line = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return None
     except OSError:
-        return _UNREADABLE
+        return "?", _UNREADABLE
     try:
         # the command name in parentheses may hold spaces and parentheses: fields count from the last ')'
-        return int(stat_line.rsplit(")", 1)[1].split()[19])
+        fields = stat_line.rsplit(")", 1)[1].split()
+        return fields[0], int(fields[19])
     except (IndexError, ValueError):
-        return _UNREADABLE
+        return "?", _UNREADABLE
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks after boot; None when there is no such pid."""
+    stat = _stat(pid)
+    return None if stat is None else stat[1]
 
 
 def this_process() -> tuple[int, int, int]:
@@ -439,13 +447,11 @@ def process_is_gone(namespace: int, pid: int, start: int) -> bool:
     the one that has it is a zombie (killed, not yet reaped) or started at another time. False when in doubt."""
     if not namespace or not start or namespace != _namespace("pid") or not _proc_is_ours():
         return False
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0] in ("Z", "X") or int(fields[19]) != start
-    except FileNotFoundError:
+    stat = _stat(pid)
+    if stat is None:
         return True
-    except (OSError, IndexError, ValueError):
-        return False
+    state, started = stat
+    return started != _UNREADABLE and (state in ("Z", "X") or started != start)
 
 
 def _ticks_to_time(ticks: int) -> float:
