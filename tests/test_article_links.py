@@ -19,7 +19,7 @@ LESSONS = sorted((ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
 #: unless said otherwise.
 ENGLISH = {
     0: "https://le.qun.ch/en/blog/2024/12/25/libfabric-efa-0-intro",  # also whn09/libfabric-efa-demo README
-    1: "https://le.qun.ch/en/blog/2024/12/25/libfabric-efa-1-rdma",  # a saved copy citing it as its source URL
+    1: "https://le.qun.ch/en/blog/2024/12/25/libfabric-efa-1-rdma",
     3: "https://le.qun.ch/en/blog/2024/12/25/libfabric-efa-3-fi_info",
     4: "https://le.qun.ch/en/blog/2024/12/25/libfabric-efa-4-recv-send",
     5: "https://le.qun.ch/en/blog/2024/12/25/libfabric-efa-5-bidi",
@@ -27,6 +27,7 @@ ENGLISH = {
     8: "https://le.qun.ch/en/blog/2024/12/25/libfabric-efa-8-topo",
     9: "https://le.qun.ch/en/blog/2024/12/25/libfabric-efa-9-multinet",
     10: "https://le.qun.ch/en/blog/2024/12/31/libfabric-efa-10-warmup",
+    11: "https://le.qun.ch/en/blog/2024/12/31/libfabric-efa-11-multithread",
     12: "https://le.qun.ch/en/blog/2024/12/31/libfabric-efa-12-pin",
     15: "https://le.qun.ch/en/blog/2024/12/31/libfabric-efa-15-lazy",
 }
@@ -34,7 +35,7 @@ ENGLISH = {
 CHINESE = {
     0: "https://abcdabcd987.com/2024/12/25/libfabric-efa-0-intro",  # whn09/libfabric-efa-demo README
     6: "https://abcdabcd987.com/2024/12/25/libfabric-efa-6-write",  # stored copy of the page
-    11: "https://abcdabcd987.com/2024/12/31/libfabric-efa-11-multithread",  # shared/reference/article-08-15.md
+    11: "https://abcdabcd987.com/2024/12/31/libfabric-efa-11-multithread",  # stored copy; reference/article-08-15.md
 }
 #: The article's chapters each lesson follows: 16 sets 9 and 15 side by side, 17 is the project's own.
 CHAPTERS = {**{n: (n,) for n in range(16)}, 16: (9, 15), 17: (0,)}
