@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -504,3 +504,41 @@ def counter_update_ns(layout: str, threads: int, updates: int, cores: list[int])
     overlap = ffi.new("double *")
     ns = lib.fl_counter_bench(getattr(lib, layout), threads, updates, ffi.new("int[]", cores), len(cores), overlap)
     return ns, overlap[0]
+
+
+class GateSlots:
+    """native/gate.c over shared memory (``buffer``, a writable mmap both sides map): the gate of slot i at
+    byte i * GATE_BYTES. Each call is one atomic step; ``fabriclab.ipc`` says what the gates are for."""
+
+    BYTES = lib.FL_GATE_BYTES
+
+    def __init__(self, buffer: Any) -> None:
+        self._base = ffi.from_buffer(buffer)  # keeps ``buffer`` alive
+        self.slots = len(self._base) // self.BYTES
+
+    def _slot(self, slot: int) -> Any:
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"gate slot {slot} outside 0..{self.slots - 1}")
+        return self._base + slot * self.BYTES
+
+    def open(self, slot: int, key: int) -> None:
+        lib.fl_gate_open(self._slot(slot), key)
+
+    def enter(self, slot: int, key: int) -> bool:
+        """Whether the gate let the caller in (open, for ``key``): then it must :meth:`leave`."""
+        return lib.fl_gate_enter(self._slot(slot), key) == lib.FL_GATE_PASSED
+
+    def leave(self, slot: int) -> None:
+        lib.fl_gate_leave(self._slot(slot))
+
+    def shut(self, slot: int) -> int:
+        """Shut the gate; how many are still inside."""
+        return int(lib.fl_gate_shut(self._slot(slot)))
+
+    def inside(self, slot: int) -> int:
+        return int(lib.fl_gate_inside(self._slot(slot)))
+
+    def close(self) -> None:
+        """Let go of the buffer (its owner may close it then); no call may follow."""
+        ffi.release(self._base)
+        self.slots = 0

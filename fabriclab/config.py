@@ -39,7 +39,10 @@ class EngineConfig:
     never) no longer reaches those writes' peers: they go over the other NICs (failover; ``Engine.stats()`` names
     the NIC) and fail with PeerLost when no NIC reaches the peer. ``gpu`` (default: when CUDA is here)
     opens the NICs able to register GPU memory (on shm that variant moves host memory more slowly: say
-    ``gpu=False`` when you only move host memory).
+    ``gpu=False`` when you only move host memory). ``gpu_ipc`` (default True): GPU regions are offered to
+    writers on this host, and writes from GPU memory into a peer's GPU region on this host are copied by the
+    GPU through CUDA IPC where the peer's memory opens here (``fabriclab.ipc``; ``Peer.route`` says which path
+    a pair takes and why); False keeps both to the NICs and the staged path.
 
     GPU memory the provider cannot register is staged (``fabriclab.staging``): ``staging_bytes`` (default
     64 MiB) bounds the engine's pinned pool; ``staging_chunk_bytes`` (default 4 MiB, at least 4096) is one
@@ -55,6 +58,7 @@ class EngineConfig:
     timeout: float = 30.0
     in_flight: int | None = None
     gpu: bool | None = None
+    gpu_ipc: bool = True
     link_timeout: float | None = None
     staging_bytes: int = staging.DEFAULT_STAGING_BYTES
     staging_chunk_bytes: int = staging.DEFAULT_CHUNK_BYTES
@@ -72,7 +76,7 @@ class EngineConfig:
             "staging_chunk_bytes": fi.integer(self.staging_chunk_bytes, "staging_chunk_bytes", 4096),
             "staging_bytes": fi.integer(self.staging_bytes, "staging_bytes", 1),
             "domains": _domains(self.domains), "pin": bool(self.pin), "fi_more": bool(self.fi_more),
-            "gpu": None if self.gpu is None else bool(self.gpu)}
+            "gpu": None if self.gpu is None else bool(self.gpu), "gpu_ipc": bool(self.gpu_ipc)}
         staging.pool_layout(valid["staging_bytes"], valid["staging_chunk_bytes"])  # a pool that cannot stream
         for name, value in valid.items():
             object.__setattr__(self, name, value)

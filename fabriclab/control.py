@@ -16,6 +16,8 @@ message. Messages:
     COPIED   target -> writer   lane L's pages are in place and counted
     REFUSED  target -> writer   the transfer cannot land (region closed, CUDA failed, ...): why
     ALIVE    writer -> target   these transfers of mine still run (every HEARTBEAT_S, while they do)
+    COPIED_IN writer -> target  my GPU copied these pages into your region through CUDA IPC: count them
+                                under imm (``fabriclab.ipc``; the region's key from its descriptor)
 
 A message's head names its sender's engine id and the writer's job: a random 64-bit number, so that no one
 but the writer and its target can speak for a transfer.
@@ -45,7 +47,7 @@ HEARTBEAT_S = 0.25  # a writer names its running transfers to each target this o
 SILENT_S = 3.0      # a writer not heard from this long is gone: its requests and lanes are dropped
 STALL_S = 2.0       # a landing thread that did not run this long may have lost its lanes (< SILENT_S - HEARTBEAT_S)
 
-REQUEST, GRANT, FILLED, RELEASE, COPIED, REFUSED, ALIVE = range(1, 8)
+REQUEST, GRANT, FILLED, RELEASE, COPIED, REFUSED, ALIVE, COPIED_IN = range(1, 9)
 HEAD = struct.Struct("<BQQ")           # kind, sender's engine id, the writer's job
 REQUEST_BODY = struct.Struct("<IQIH")  # region id, region key, lanes wanted, control address length (address follows)
 FILLED_BODY = struct.Struct("<IHII")   # region id, lane, imm, pages (entries follow)
@@ -55,6 +57,7 @@ FILLED_HEAD = HEAD.size + FILLED_BODY.size
 LANE = struct.Struct("<H")
 REFUSED_BODY = struct.Struct("<HB")    # lane (NO_LANE: the whole transfer), why (index in WHY; text follows)
 JOB = struct.Struct("<Q")              # ALIVE: the writer's jobs, one after another
+COPIED_IN_BODY = struct.Struct("<IQIQQ")  # region id, region key, imm, pages, bytes
 ALIVE_JOBS = 512                       # jobs one ALIVE names at most (4 KiB: fits any provider's messages)
 WHY = ("closed", "cuda", "timeout", "invalid", "engine")  # staging.FAILURES' names ("invalid": a message refused)
 
@@ -141,6 +144,22 @@ def _alive(body: bytes) -> tuple[Any, ...]:
     return ([int(job) for job in np.frombuffer(body, "<u8")],)
 
 
+def _copied_in(body: bytes) -> tuple[Any, ...]:
+    if len(body) != COPIED_IN_BODY.size:
+        raise BadMessage(f"COPIED_IN of {len(body)} bytes, not {COPIED_IN_BODY.size}")
+    region_id, key, imm, pages, nbytes = COPIED_IN_BODY.unpack(body)
+    if imm > _native.MAX_IMM and imm != _native.NO_IMM:
+        raise BadMessage(f"COPIED_IN's immediate data {imm:#x} is none a caller can give")
+    if not 0 < pages <= min(nbytes, _native.MAX_IMM_COUNT):
+        raise BadMessage(f"COPIED_IN of {pages} pages in {nbytes} bytes")
+    return region_id, key, imm, pages, nbytes
+
+
+def copied_in(sender: int, job: int, region_id: int, key: int, imm: int, pages: int, nbytes: int) -> bytes:
+    """The COPIED_IN message of a writer's transfer ``job``."""
+    return HEAD.pack(COPIED_IN, sender, job) + COPIED_IN_BODY.pack(region_id, key, imm, pages, nbytes)
+
+
 def alive(sender: int, jobs: list[int]) -> list[bytes]:
     """The ALIVE messages naming ``jobs``."""
     return [HEAD.pack(ALIVE, sender, 0) + np.asarray(jobs[first:first + ALIVE_JOBS], "<u8").tobytes()
@@ -148,7 +167,7 @@ def alive(sender: int, jobs: list[int]) -> list[bytes]:
 
 
 _READERS = {REQUEST: _request, GRANT: _grant, FILLED: _filled, RELEASE: _lane, COPIED: _lane, REFUSED: _refused,
-            ALIVE: _alive}
+            ALIVE: _alive, COPIED_IN: _copied_in}
 
 
 class Rejected:

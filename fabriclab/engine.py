@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
 import os
 import secrets
 import weakref
@@ -43,11 +44,12 @@ from .nics import host_identity, same_host_path
 from .pages import as_pages, coalesce_pages, first_overlap
 from .service import CLOSED_HERE, DEFAULT_STRIPE, Service
 from .transfer import Transfer, TransferResult
-from .wire import PeerRegion, decode_address, decode_region, encode_address, encode_landing, encode_region
+from .wire import IpcRoute, PeerRegion, decode_address, decode_region, encode_address, encode_landing, encode_region
 
 __all__ = ["Engine", "EngineConfig", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError",
            "TransferError", "PeerLost", "WriteRejected", "TransferTimeout", "RegionClosed", "InvalidDescriptor",
            "OutOfRange", "StagingFailed"]
+log = logging.getLogger("fabriclab")
 
 
 # --------------------------------------------------------------------------------------- regions
@@ -70,7 +72,11 @@ class Region:
         self.readonly = view.readonly
         self.id = next(self._ids)
         Region._live[self.id] = self  # a write from memory of this process into it can be checked for overlap
-        self._landing_key = secrets.randbits(64)  # a staged target's: in its descriptor, asked for with its lanes
+        self._landing_key = secrets.randbits(64)  # in its descriptor: asking for lanes, or counting IPC copies, takes it
+        #: why the region is not offered to CUDA IPC peers ("" where it is, or is not GPU memory)
+        self.ipc_why = ""
+        self._ipc: IpcRoute | None = None  # its descriptor's CUDA IPC section, once made (fabriclab.ipc)
+        self._gate_slot: int | None = None
         self._keep = view
         self.path, self.why = "host" if self.kind == "host" else "cuda-direct", ""
         access = fi.ACCESS_SOURCE if self.readonly else fi.ACCESS_ALL  # read-only: a source only
@@ -106,6 +112,11 @@ class Region:
         return self.path in ("cuda-staged", "host-staged")
 
     @property
+    def ipc_offered(self) -> bool:
+        """Whether its descriptor offers it to GPU peers on this host (CUDA IPC; see ``ipc_why`` where not)."""
+        return self._ipc is not None
+
+    @property
     def registrations(self) -> list[memory.Registration]:
         """The region's registration with each NIC slot (one per domain, shared by its slots; none when
         staged)."""
@@ -122,9 +133,10 @@ class Region:
         if self.readonly:
             raise fi.UsageError(f"region {self.id} is read-only: it can be a source of writes, but peers cannot "
                                 "write into it, so it has no descriptor; register a writable buffer")
+        ipc = self.engine._service.ipc.offer(self)
         if self.lands:
-            return self.engine._landing_descriptor(self)
-        return encode_region(self.engine.id, self.id, self.length, self.bases, self.keys)
+            return self.engine._landing_descriptor(self, ipc)
+        return encode_region(self.engine.id, self.id, self.length, self.bases, self.keys, ipc)
 
     def _check_open(self) -> None:
         if self._state.closed:
@@ -145,6 +157,10 @@ class Region:
         service = self.engine._service
         if self.lands and service.landing is not None:
             service.landing.target.remove_region(self.id)  # later pages for it are refused
+        if not service.ipc.withdraw(self, seconds):
+            service.held_by_dead_writers.append(self._keep)  # a copy may still write it: never handed back
+            log.warning("region %d closed with a CUDA IPC writer still inside its gate after %g s (a writer that "
+                        "died mid-copy): its memory stays referenced until the engine closes", self.id, seconds)
         service.close_region(self._state, seconds, self.id)
 
     def __enter__(self) -> Region:
@@ -202,10 +218,12 @@ class Peer:
         self.engine, self.id, self.nics = engine, engine_id, n
         #: how writes reach this peer, in words: "the NICs", or shared memory where the provider takes a
         #: same-host detour
-        self.transport = same_host_path(service.provider, host == host_identity())
+        #: whether the peer runs on this host (its address says so): GPU regions may then take CUDA IPC
+        self.same_host = host == host_identity()
+        self.transport = same_host_path(service.provider, self.same_host)
         #: the peer's process where it runs on this host (pid namespace, pid, start ticks): once it is gone, the
         #: engine fails the transfers still running to it (PeerLost) instead of letting them sit out their deadline
-        self.process = process if host == host_identity() and process[1] != os.getpid() else None
+        self.process = process if self.same_host and process[1] != os.getpid() else None
         # our NIC i talks to the peer's NIC i (modulo its count): the peer's key for it is keys[i % n]
         self.remote_slot = [i % n for i in range(len(service.nics.slots))]
         self.fi_addrs: list[int] = []
@@ -313,14 +331,26 @@ class Peer:
                                  f"{side} region")
         _refuse_overlap(local_region, remote, src, dst, page_size, pages=True)
         service = self.engine._service
-        # a staged region's writes leave from pool chunks, and land in lanes, one per page: no runs to join
-        most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
+        # a GPU copy takes any run whole; a staged region's writes leave from pool chunks, and land in lanes, one
+        # per page: no runs to join
+        if remote.ipc is not None and service.ipc.route(self, local_region, remote)[0]:
+            most = src.size
+        else:
+            most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
         src, dst, runs = coalesce_pages(src, dst, most)
         lengths = runs * np.uint64(page_size)
         # one length for every write (a permuted list: one page each) goes as one number
         uniform = int(lengths[0]) if lengths.min() == lengths.max() else lengths
         return service.submit(self, local_region, remote, src, dst, page_size, uniform, imm, timeout,
                               pages=int(runs.sum()))
+
+    def route(self, local_region: Region, remote_descriptor: bytes | PeerRegion) -> tuple[str, str]:
+        """How writes from ``local_region`` into the peer's region go: ("cuda-ipc", "") where the GPU copies
+        them through CUDA IPC (both GPU memory, same host, the peer's memory opens here: tried once per pair),
+        else (``local_region.path``, why not CUDA IPC)."""
+        _check_region(local_region)
+        path, why = self.engine._service.ipc.route(self, local_region, self._remote(remote_descriptor))
+        return (path, "") if path else (local_region.path, why)
 
     def close(self) -> None:
         """No more writes through this Peer; the peer (or its restarted self) may connect again later.
@@ -446,7 +476,7 @@ class Engine:
         self._service.check_open()
         return Region(self, buffer, staged_host=True)
 
-    def _landing_descriptor(self, region: Region) -> bytes:
+    def _landing_descriptor(self, region: Region, ipc: IpcRoute | None) -> bytes:
         """The descriptor of a staged target: the landing lanes' bases and keys, a lane's size, and the
         control endpoint. Opens the lanes (and the landing thread) at the first staged target."""
         service = self._service
@@ -469,7 +499,7 @@ class Engine:
                            tuple(lanes_region.keys))
         return encode_landing(self.id, region.id, region.length, lanes,
                               lanes_pool.chunk_bytes, lander.channel.message_bytes, region._landing_key,
-                              lander.address)
+                              lander.address, ipc)
 
     def connect(self, address: bytes) -> Peer:
         """A peer, from the bytes of its ``Engine.address``. Any time, in any order; no world. Paths to

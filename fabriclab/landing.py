@@ -81,6 +81,7 @@ class Landing:
             control.GRANT: self.writer.granted, control.COPIED: self.writer.copied,
             control.REFUSED: self.writer.refused}
         self.new_jobs: collections.deque[LandingJob] = collections.deque()
+        self.outgoing: collections.deque[tuple[bytes, bytes]] = collections.deque()  # send_soon's (address, message)
         self.last_busy = self.last_loop = time.monotonic()
         self.thread = self._start()
         self.watcher = threading.Thread(target=self._watch, name="fabriclab-landing-watch", daemon=True)
@@ -105,6 +106,11 @@ class Landing:
             if self.closed:
                 raise fi.UsageError("the engine is closed")
             self.new_jobs.append(job)
+
+    def send_soon(self, address: bytes, message: bytes) -> None:
+        """Have the landing thread send ``message`` to the control endpoint at ``address`` (from any thread;
+        no reply is awaited: a peer that cannot be reached is dropped as any)."""
+        self.outgoing.append((address, message))
 
     def stats(self) -> dict[str, Any]:
         return {"landed_bytes": self.target.landed_bytes, "landed_lanes": self.target.landed_lanes,
@@ -165,6 +171,13 @@ class Landing:
         for dest in failed:  # a control endpoint that takes no more messages: its writers and targets are gone
             self.target.unreachable(dest)
             self.writer.unreachable(dest)
+        while self.outgoing:
+            address, message = self.outgoing.popleft()
+            try:
+                self.channel.send(self.channel.peer(address), message)
+            except fi.FabriclabError as exc:  # an address that fits no endpoint here: the message cannot go
+                control.log.warning("a control message could not be sent: %s", exc)
+            busy = True
         with self.lock:
             new, self.new_jobs = list(self.new_jobs), collections.deque()
         busy |= self.writer.start(new)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _native, fi, landing, shmclean, staged, staging
+from .ipc_writer import IpcPath
 from ._native import WORKER_EXIT_TIMEOUT
 from .completions import TRANSFER_SLOTS, Completions, RegionState
 from .config import EngineConfig
@@ -121,6 +122,8 @@ class Service:
         self.housekeeping_cores = frozenset(os.sched_getaffinity(0)) - frozenset(self.worker_cores)
         self.stager: staging.Stager | None = None  # started at the first staged region
         self.landing: landing.Landing | None = None  # started at the first staged target, or write into one
+        self.ipc = IpcPath(self)  # same-host GPU peers (fabriclab.ipc_writer)
+        self.held_by_dead_writers: list[Any] = []  # memory of regions a CUDA IPC writer died copying into
         self.book.start(self.housekeeping_cores if self.worker_cores else None, self._finish_on_reaper)
 
     # ------------------------------------------------------------------------------ for the Engine
@@ -183,7 +186,7 @@ class Service:
                 "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
                 "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
                 "expectations": expecting, "immediates": self.native.immediates_usage(), "per_nic": per_nic,
-                "staging": staged.stats(self), "closed": stranded is not None, "stranded_threads": stranded or 0}
+                "staging": staged.stats(self), "cuda_ipc": self.ipc.stats(), "closed": stranded is not None, "stranded_threads": stranded or 0}
 
     def pages_per_write(self, pages: int, page_size: int) -> int:
         """The most pages one write of a transfer of ``pages`` pages may carry: enough writes that every
@@ -213,6 +216,10 @@ class Service:
         seconds = fi.seconds(timeout, "timeout", self.timeout)
         if region.path == "host-staged":
             raise fi.UsageError(f"region {region.id} is host memory staged on purpose (a test switch): a target only")
+        if remote.ipc is not None and self.ipc.route(peer, region, remote)[0]:
+            sizes = np.full(src.size, lengths, np.uint64) if isinstance(lengths, int) else lengths.astype(np.uint64)
+            return self.ipc.submit(peer, region, remote, src.astype(np.int64) * stride, dst.astype(np.int64) * stride,
+                                   sizes, wire_imm, seconds, src.size if pages is None else pages)
         if remote.landing is not None:
             return staged.submit_landing(self, peer, region, remote, src.astype(np.int64) * stride,
                                          dst.astype(np.int64) * stride, lengths, wire_imm, seconds)
@@ -333,6 +340,7 @@ class Service:
             self._shut_down()
 
     def _shut_down(self) -> None:
+        self.ipc.close()  # its copies are waited for; their counts leave through the landing thread
         staged.stop(self)  # fails staged and landing jobs; copies into staged targets are waited for
         stranded = self.native.stop_service(WORKER_EXIT_TIMEOUT)
         if not stranded:

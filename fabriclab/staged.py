@@ -30,14 +30,15 @@ def start_staging(service: Service) -> staging.PinnedPool:
 
 
 def start_landing(service: Service) -> landing.Landing:
-    """The landing thread and its control channel (at the first staged target, or the first write into a
-    peer's)."""
+    """The landing thread and its control channel (at the first staged target, the first write into a
+    peer's, or the first GPU region offered to CUDA IPC peers)."""
     with service.lock:
         if service.landing is None:
             service.check_open()
             slot = service.nics.slots[0]
             service.landing = landing.Landing(service.provider, slot.domain_name, service.engine_id, service.native,
                                               staging_failure, lease_s=service.timeout)
+            service.landing.handlers[control.COPIED_IN] = service.ipc.copied_in.message  # fabriclab.ipc
         return service.landing
 
 
@@ -53,7 +54,7 @@ def _check_source(region: Region) -> None:
         raise StagingFailed(f"region {region.id} cannot be staged: {exc}", buffer_safe=True) from None
 
 
-def _finisher(service: Service, transfer: Transfer, state: RegionState,
+def finisher(service: Service, transfer: Transfer, state: RegionState,
               settle_unsafe: bool) -> Callable[[BaseException | None, bool], None]:
     """The ``done(error, safe)`` a stager or landing job calls once: the region is no longer read, and the
     transfer resolves. ``settle_unsafe``: an unsafe end is final (else the job says later when it is safe)."""
@@ -92,7 +93,7 @@ def submit_staged(service: Service, peer: Peer, region: Region, remote: PeerRegi
                             max(deadline - time.monotonic(), 1e-3))
 
     stager.submit(staging.StagedJob(region.pointer, region.length, device, src, dst, sizes, deadline, send,
-                                    _finisher(service, transfer, state, settle_unsafe=True),
+                                    finisher(service, transfer, state, settle_unsafe=True),
                                     lambda: not state.closed))
     return transfer
 
@@ -134,7 +135,7 @@ def submit_landing(service: Service, peer: Peer, region: Region, remote: PeerReg
         return service.post(peer, region, route.lanes, src_bytes, lane_offsets, 1, lane_lengths, lane_imm, left)
 
     lander.submit(landing.LandingJob(route.address, remote.region_id, route.lane_bytes, max_pages, src, dst, sizes,
-                                     imm, deadline, post, _finisher(service, transfer, state, settle_unsafe=False),
+                                     imm, deadline, post, finisher(service, transfer, state, settle_unsafe=False),
                                      transfer._safety.settle, region_key=route.key, target_id=remote.engine_id,
                                      lanes=route.lanes.length // route.lane_bytes))
     return transfer

@@ -138,12 +138,22 @@ class Transfer(AwaitableFuture):
         self.started = time.perf_counter()
         self._safety = safety
         self._peer_process: tuple[int, int, int] | None = None  # Peer.process of its peer, where known
+        # a path that can finish the transfer on the waiting thread (the GPU copy's event) sets this: result()
+        # and exception() call it first, and save a hand-over between threads
+        self._finish_here: Callable[[], None] | None = None
         self.set_running_or_notify_cancel()  # running: cancel() refuses instead of lying
 
     def result(self, timeout: float | None = None) -> TransferResult:
         """The :class:`TransferResult`, once every write completed (raises the transfer's failure)."""
+        if self._finish_here is not None and not self.done():
+            self._finish_here()
         result: TransferResult = super().result(timeout)
         return result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if self._finish_here is not None and not self.done():
+            self._finish_here()
+        return super().exception(timeout)
 
     def wait_safe(self, timeout: float | None = None) -> bool:
         """True once no write of this transfer can still read the local buffer (False if ``timeout``

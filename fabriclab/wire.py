@@ -6,12 +6,15 @@
   (base, key) per NIC;
 * a staged target's descriptor (:func:`encode_landing` / :func:`decode_landing`): the same head naming its
   landing lanes' bases and keys, then the lanes' region, a lane's size, the largest control message, the
-  region's key and the control endpoint's address (``fabriclab.landing``).
+  region's key and the control endpoint's address (``fabriclab.landing``);
+* either may end with a GPU region's CUDA IPC section (:class:`IpcRoute`, ``fabriclab.ipc``): what a writer
+  on the same host needs to copy into it with its GPU.
 
 Each is magic-tagged and CRC32-sealed. Anything decoded here came from a peer: it is untrusted, and every
 way it can be wrong is an :class:`~fabriclab.errors.InvalidDescriptor` naming what is wrong."""
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 from collections.abc import Callable, Sequence
@@ -31,6 +34,10 @@ _SIZE = struct.Struct("<H")  # a NIC address's length
 _PROCESS = struct.Struct("<QIQ")  # the engine's process: pid namespace inode, pid, start ticks (shmclean)
 # lanes' region id, their length, lane bytes, message bytes, the region's key, address length
 _LANDING_TAIL = struct.Struct("<IQIIQH")
+# CUDA IPC: marker, allocation handle, region offset in it, allocation bytes, device UUID, gate (pid, fd, token,
+# slot), region key, message bytes, control address length (the address follows)
+_IPC = struct.Struct("<4s64sQQ16sIIQIQIH")
+_IPC_MARK = b"IPC1"
 
 
 def seal(body: bytes) -> bytes:
@@ -114,6 +121,53 @@ class LandingRoute:
 
 
 @dataclass(frozen=True)
+class IpcRoute:
+    """How a writer on the target's host copies into a GPU region with its own GPU (``fabriclab.ipc``): the
+    CUDA IPC handle of the allocation holding the region, the region's offset in it and the allocation's
+    size, the device's UUID, the gate (the target process's pid, the fd of its gate memory there, that
+    memory's token, the region's slot), the region's key, and the control endpoint that counts the pages
+    (``address``, taking messages of ``message_bytes``)."""
+    handle: bytes
+    offset: int
+    alloc_bytes: int
+    device_uuid: bytes
+    gate_pid: int
+    gate_fd: int
+    gate_token: int
+    gate_slot: int
+    key: int
+    message_bytes: int
+    address: bytes
+
+
+def _encode_ipc(ipc: IpcRoute | None) -> bytes:
+    if ipc is None:
+        return b""
+    return _IPC.pack(_IPC_MARK, ipc.handle, ipc.offset, ipc.alloc_bytes, ipc.device_uuid, ipc.gate_pid, ipc.gate_fd,
+                     ipc.gate_token, ipc.gate_slot, ipc.key, ipc.message_bytes, len(ipc.address)) + ipc.address
+
+
+def _decode_ipc(section: bytes, length: int) -> IpcRoute | None:
+    """A descriptor's IPC section (empty: none), checked against the region's ``length``."""
+    if not section:
+        return None
+    if len(section) < _IPC.size or section[:4] != _IPC_MARK:
+        raise InvalidDescriptor("region descriptor has trailing bytes that are no CUDA IPC section")
+    (_, handle, offset, alloc_bytes, uuid, gate_pid, gate_fd, gate_token, gate_slot, key, message_bytes,
+     size) = _IPC.unpack_from(section)
+    route = IpcRoute(handle, offset, alloc_bytes, uuid, gate_pid, gate_fd, gate_token, gate_slot, key, message_bytes,
+                     section[_IPC.size:])
+    if len(route.address) != size or not size:
+        raise InvalidDescriptor("the CUDA IPC section of the region descriptor is truncated")
+    if route.offset + length > route.alloc_bytes or route.offset > route.alloc_bytes:
+        raise InvalidDescriptor(f"the CUDA IPC section puts the region ({length} bytes at offset {route.offset}) "
+                                f"outside its allocation of {route.alloc_bytes} bytes")
+    if not route.gate_slot or route.message_bytes < 64:
+        raise InvalidDescriptor("the CUDA IPC section of the region descriptor is malformed")
+    return route
+
+
+@dataclass(frozen=True)
 class PeerRegion:
     """A peer's region as its descriptor tells it (not ``fi.RemoteRegion``, one NIC's view of one
     registration): its engine, id and length, and each NIC's base and key."""
@@ -123,6 +177,7 @@ class PeerRegion:
     bases: tuple[int, ...]
     keys: tuple[int, ...]
     landing: LandingRoute | None = None  # a staged target: the bases and keys are its landing lanes'
+    ipc: IpcRoute | None = None  # a GPU region a writer on its host may copy into through CUDA IPC
 
 
 def _head(magic: bytes, engine_id: int, region_id: int, length: int, bases: Sequence[int],
@@ -131,9 +186,11 @@ def _head(magic: bytes, engine_id: int, region_id: int, length: int, bases: Sequ
             + b"".join(_NIC_KEY.pack(b, k) for b, k in zip(bases, keys)))
 
 
-def encode_region(engine_id: int, region_id: int, length: int, bases: Sequence[int], keys: Sequence[int]) -> bytes:
-    """A region descriptor: where each NIC of engine ``engine_id`` lets peers write region ``region_id``."""
-    return seal(_head(REGION_MAGIC, engine_id, region_id, length, bases, keys))
+def encode_region(engine_id: int, region_id: int, length: int, bases: Sequence[int], keys: Sequence[int],
+                  ipc: IpcRoute | None = None) -> bytes:
+    """A region descriptor: where each NIC of engine ``engine_id`` lets peers write region ``region_id`` (and,
+    for a GPU region, how a writer on its host copies into it: ``ipc``)."""
+    return seal(_head(REGION_MAGIC, engine_id, region_id, length, bases, keys) + _encode_ipc(ipc))
 
 
 def _read_head(body: bytes, staged: bool) -> tuple[PeerRegion, bytes]:
@@ -144,7 +201,7 @@ def _read_head(body: bytes, staged: bool) -> tuple[PeerRegion, bytes]:
     engine_id, region_id, length, n = _REGION_HEAD.unpack_from(body, 4)
     end = 4 + head + _NIC_KEY.size * n
     tail = body[end:]
-    if n == 0 or len(body) < end or (tail if not staged else len(tail) < _LANDING_TAIL.size):
+    if n == 0 or len(body) < end or (staged and len(tail) < _LANDING_TAIL.size):
         raise InvalidDescriptor("region descriptor is truncated or has a wrong NIC count")
     pairs = [_NIC_KEY.unpack_from(body, 4 + head + _NIC_KEY.size * i) for i in range(n)]
     return PeerRegion(engine_id, region_id, length, tuple(p[0] for p in pairs), tuple(p[1] for p in pairs)), tail
@@ -154,27 +211,29 @@ def decode_region(descriptor: object) -> PeerRegion:
     """A region descriptor, plain or a staged target's (:func:`decode_landing`), checked."""
     if isinstance(descriptor, (bytes, bytearray, memoryview)) and bytes(descriptor[:4]) == LANDING_MAGIC:
         return decode_landing(descriptor)
-    region, _ = _read_head(unseal(descriptor, REGION_MAGIC, "region descriptor"), staged=False)
-    return region
+    region, tail = _read_head(unseal(descriptor, REGION_MAGIC, "region descriptor"), staged=False)
+    ipc = _decode_ipc(tail, region.length)
+    return region if ipc is None else dataclasses.replace(region, ipc=ipc)
 
 
 def encode_landing(engine_id: int, region_id: int, length: int, lanes: PeerRegion, lane_bytes: int,
-                   message_bytes: int, key: int, address: bytes) -> bytes:
+                   message_bytes: int, key: int, address: bytes, ipc: IpcRoute | None = None) -> bytes:
     """A staged target's descriptor: region ``region_id`` of ``length`` bytes, written through ``lanes``
     (this engine's landing lanes, as a region), ``lane_bytes`` a lane; its control endpoint at ``address``
-    takes messages of ``message_bytes``; asking for lanes takes ``key``."""
+    takes messages of ``message_bytes``; asking for lanes takes ``key``; ``ipc`` as for encode_region."""
     body = _head(LANDING_MAGIC, engine_id, region_id, length, lanes.bases, lanes.keys)
     body += _LANDING_TAIL.pack(lanes.region_id, lanes.length, lane_bytes, message_bytes, key, len(address)) + address
-    return seal(body)
+    return seal(body + _encode_ipc(ipc))
 
 
 def decode_landing(descriptor: object) -> PeerRegion:
     """A staged target's descriptor, checked: the region, with its :class:`LandingRoute`."""
     region, tail = _read_head(unseal(descriptor, LANDING_MAGIC, "region descriptor"), staged=True)
     lanes_id, lanes_length, lane_bytes, message_bytes, key, size = _LANDING_TAIL.unpack_from(tail)
-    address = tail[_LANDING_TAIL.size:]
-    if len(address) != size or not lane_bytes or message_bytes < 64:
+    address = tail[_LANDING_TAIL.size:_LANDING_TAIL.size + size]
+    if len(address) != size or not size or not lane_bytes or message_bytes < 64:
         raise InvalidDescriptor("staged region descriptor is truncated or malformed")
+    ipc = _decode_ipc(tail[_LANDING_TAIL.size + size:], region.length)
     lanes = PeerRegion(region.engine_id, lanes_id, lanes_length, region.bases, region.keys)
     return PeerRegion(region.engine_id, region.region_id, region.length, region.bases, region.keys,
-                      LandingRoute(lanes, lane_bytes, message_bytes, key, address))
+                      LandingRoute(lanes, lane_bytes, message_bytes, key, address), ipc)

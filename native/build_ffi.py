@@ -98,7 +98,7 @@ ffibuilder = FFI()
 ffibuilder.cdef((HERE / "fabric_cdef.h").read_text())
 ffibuilder.set_source(
     "fabriclab._fabric",
-    '#include "fabriclab_native.h"\n#include "signals.h"\n',
+    '#include "fabriclab_native.h"\n#include "signals.h"\n#include "gate.h"\n',
     sources=[str(p.relative_to(HERE.parent)) for p in sorted(HERE.glob("*.c"))],
     libraries=["fabric", "pthread"],
     extra_compile_args=["-O2", "-Wall", "-Wno-unused-function"],

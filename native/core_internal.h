@@ -20,7 +20,7 @@
  *
  * The core never calls up: what happens when a write fails or a NIC goes quiet is each user's own, handed
  * to the core as a table of callbacks (flc_failover, in thread_ctx.failover). The benchmarks sharing.c (lesson
- * 13's counters, with the shard types below) and copyrate.c call only the core's clock; signals.c stands alone.
+ * 13's counters, with the shard types below) and copyrate.c call only the core's clock; signals.c and gate.c stand alone.
  *
  * Internal names take the flc_ prefix, static ones too, but for those the course's lessons quote and teach
  * (fabriclab.course.lesson.show_c finds an excerpt by its first line): poll_nic, post_write, progress_pending,

@@ -325,6 +325,15 @@ int fl_nic_renew(fl_engine *e, int nic, struct fid_ep *ep);
 int fl_worker_park(fl_engine *e, int nic, double timeout_s);
 void fl_worker_unpark(fl_engine *e, int nic);
 
+/* ------------------------------------------------- gates of CUDA IPC regions (gate.h) */
+#define FL_GATE_BYTES 64
+enum fl_gate_status { FL_GATE_PASSED = 0, FL_GATE_SHUT = 1 };
+void fl_gate_open(void *slot, uint64_t key);
+int fl_gate_enter(void *slot, uint64_t key);
+void fl_gate_leave(void *slot);
+uint32_t fl_gate_shut(void *slot);
+uint32_t fl_gate_inside(void *slot);
+
 /* ------------------------------------------------- signal dispositions around libfabric's init (signals.h) */
 typedef struct fl_signal_snapshot fl_signal_snapshot;
 fl_signal_snapshot *fl_signals_snapshot(const int *signals, int count);

@@ -349,7 +349,7 @@ def sha(tensor) -> str:
 
 @pytest.fixture
 def gpu_engine():
-    with Engine("shm", pin=False, timeout=20, staging_bytes=8 * MiB, staging_chunk_bytes=MiB) as engine:
+    with Engine("shm", pin=False, timeout=20, staging_bytes=8 * MiB, staging_chunk_bytes=MiB, gpu_ipc=False) as engine:
         yield engine
 
 

@@ -257,13 +257,13 @@ def main(args) -> int:
               file=sys.stderr)
     if args.defaults:
         result = defaults_comparison(config.provider, config.domain, timeout=config.timeout, rounds=args.rounds,
-                                     memory_kind=config.memory)
+                                     memory_kind=config.memory, gpu_ipc=args.gpu_ipc)
         print(format_defaults(result))
         if args.json:
             print(json.dumps(result))
         return 0
     if args.api:
-        r = api_comparison(config, rounds=args.rounds)
+        r = api_comparison(config, rounds=args.rounds, gpu_ipc=args.gpu_ipc)
         print(format_api(r))
         if args.json:
             print(json.dumps(r))

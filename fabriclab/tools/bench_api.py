@@ -16,7 +16,7 @@ from .bench_target import api_peer, gpu_copy, running_on
 
 
 def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 256, outstanding: int = 8,
-                   rounds: int = 3) -> dict:
+                   rounds: int = 3, gpu_ipc: bool = True) -> dict:
     """The same workload through ``Engine.write_pages`` (pages in calls of ``batch_pages``, up to
     ``outstanding`` calls in flight) and through the stage-15 path (``batched``), alternating ``rounds``
     times and compared by their medians (one run of each swings by 10-20 % on a busy host), plus the
@@ -40,7 +40,7 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
     for _ in range(rounds):
         raw = run(BenchConfig(**{**asdict(config), "stage": "batched", "verify": False}))
         raw_runs.append(raw.gbps)
-        measured = _api_round(config, raw, () if overhead else calls, batch_pages, outstanding)
+        measured = _api_round(config, raw, () if overhead else calls, batch_pages, outstanding, gpu_ipc)
         api_runs.append(measured["gbps"])
         overhead = overhead or measured["us_per_call"]
     raw_gbps, api_gbps = float(np.median(raw_runs)), float(np.median(api_runs))
@@ -50,7 +50,7 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
             "layout": _layout(config, raw, measured["engine_layout"]),
             "caller_cores": measured["caller_cores"], "memory": config.memory, "raw_memory": raw.memory,
             "source": measured["source"], "target": measured["target"], "staging": measured["staging"],
-            "target_staging": measured["target_staging"]}
+            "target_staging": measured["target_staging"], "writes": measured["writes"]}
 
 
 def _layout(config: BenchConfig, raw: BenchResult, engine: dict) -> dict:
@@ -67,7 +67,8 @@ def _layout(config: BenchConfig, raw: BenchResult, engine: dict) -> dict:
             "chosen": chosen}
 
 
-def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, outstanding: int) -> dict:
+def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, outstanding: int,
+               gpu_ipc: bool) -> dict:
     """One timed pass through the Engine (a fresh target process and engine, so that neither idles beside
     the raw runs) on the layout of the stage-15 run ``raw``: Gbps, the Python µs per call for each size in
     ``calls``, the calling thread's cores, the path of each region, both engines' staging figures and the
@@ -80,11 +81,12 @@ def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, o
         address, descriptor = target["address"], target["descriptor"]
         with Engine(raw.provider, domains=config.domain, nics=raw.nics, threads=raw.threads, pin=config.pin,
                     batch=config.batch, fi_more=config.fi_more, timeout=config.timeout,
-                    in_flight=config.in_flight, gpu=cuda) as engine, running_on(engine.housekeeping_cores):
+                    in_flight=config.in_flight, gpu=cuda, gpu_ipc=gpu_ipc) as engine, running_on(engine.housekeeping_cores):
             caller_cores = sorted(os.sched_getaffinity(0))
             source = np.frombuffer(np.random.default_rng(1).bytes(plan.buffer_bytes), dtype=np.uint8).copy()
             region = engine.register(gpu_copy(source) if cuda else source)
             peer = engine.connect(address)
+            route = peer.route(region, descriptor)
             whole = plan.buffer_bytes // plan.page_size
             pages = np.arange(plan.writes) % whole
             peer.write_pages(region, pages[:min(whole, 64)], descriptor, pages[:min(whole, 64)],
@@ -115,5 +117,6 @@ def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, o
             staging = engine.stats()["staging"]
             layout = {"nics": engine.nics, "emulated_nics": engine.emulated_nics, "threads": engine.threads}
     return {"engine_layout": layout, "gbps": rate, "us_per_call": overhead, "caller_cores": caller_cores,
+            "writes": {"path": route[0], "why": route[1]},
             "source": {"path": region.path, "why": region.why}, "target": target["target"], "staging": staging,
             "target_staging": target["target_staging"]}

@@ -24,14 +24,15 @@ def layout_sweep(cores: int) -> list[tuple[int, int]]:
 
 def defaults_comparison(provider: str | None, domain: str | None = None, layouts=None, shapes=DEFAULTS_SHAPES,
                         transfers: int = 20, warmup: int = 2, timeout: float = 60.0, rounds: int = 3,
-                        memory_kind: str = "host") -> dict:
+                        memory_kind: str = "host", gpu_ipc: bool = True) -> dict:
     """Engine() with its defaults against ``layouts`` ((nics, threads) pairs; default layout_sweep), each
     writer and its target in two processes with the same layout: per shape, ``warmup`` then ``transfers``
     timed transfers of every page, one at a time, with pages contiguous and permuted on the target. The
     layouts take turns ``rounds`` times; GB/s per (layout, shape, order) is the median of the rounds (with
     their spread), next to the writes a transfer became; plus the 8-thread memcpy ceiling (memcpy_rate of a
     transfer's bytes, once a round: its median, in GB/s). ``memory_kind`` "cuda": both sides' buffers are GPU
-    memory (direct or staged: "paths" says which)."""
+    memory (direct or staged: "paths" says which, and how the writes went: "cuda-ipc" where the GPU copied them,
+    unless ``gpu_ipc`` is False)."""
     if memory_kind == "cuda":
         gpu.require_cuda()  # before any process starts: no CUDA here, and the error says what to install
     layouts = [None] + list(layout_sweep(len(os.sched_getaffinity(0))) if layouts is None else layouts)
@@ -41,7 +42,7 @@ def defaults_comparison(provider: str | None, domain: str | None = None, layouts
         # each round starts one layout further on: no layout always runs first (after an idle spell) or last
         for i in [(r + k) % len(layouts) for k in range(len(layouts))]:
             runs[i].append(_defaults_round(provider, domain, layouts[i], shapes, transfers, warmup, timeout, chosen,
-                                           memory_kind))
+                                           memory_kind, gpu_ipc))
         ceilings.append(memcpy_rate(largest, threads=8, repeats=5))
     rows = []
     for layout, measured in zip(layouts, runs):
@@ -59,7 +60,7 @@ def defaults_comparison(provider: str | None, domain: str | None = None, layouts
 
 
 def _defaults_round(provider, domain, layout, shapes, transfers: int, warmup: int, timeout: float,
-                    chosen: dict, memory_kind: str) -> dict:
+                    chosen: dict, memory_kind: str, gpu_ipc: bool) -> dict:
     """One layout's turn in defaults_comparison (a fresh target process and engine); fills ``chosen`` with
     what the defaults picked and ``chosen["paths"]`` with the memory paths of both sides."""
     from ..engine import Engine
@@ -69,13 +70,15 @@ def _defaults_round(provider, domain, layout, shapes, transfers: int, warmup: in
         address, descriptor = target["address"], target["descriptor"]
         nics, threads = layout or (None, None)
         with Engine(provider, domains=domain, nics=nics, threads=threads, timeout=timeout,
-                    gpu=memory_kind == "cuda") as engine, running_on(engine.housekeeping_cores):
+                    gpu=memory_kind == "cuda", gpu_ipc=gpu_ipc) as engine, running_on(engine.housekeeping_cores):
             if layout is None:
                 chosen.update(nics=engine.nics, threads=engine.threads, repr=repr(engine))
             peer = engine.connect(address)
             source = np.frombuffer(np.random.default_rng(1).bytes(region_bytes), dtype=np.uint8).copy()
             region = engine.register(gpu_copy(source) if memory_kind == "cuda" else source)
-            chosen["paths"] = {"source": region.path, "target": target["target"]["path"]}
+            route, why = peer.route(region, descriptor)
+            chosen["paths"] = {"source": region.path, "target": target["target"]["path"], "writes": route,
+                               "writes_why": why}
             for pages, size in shapes:
                 for order in ("contiguous", "permuted"):
                     src = np.arange(pages)

@@ -47,6 +47,9 @@ def add_arguments(p) -> None:
     harness.add_argument("--rounds", type=int, default=3,
                          help="--api and --progression: interleaved runs of each path or chapter, compared by "
                               "their medians and min-max (default %(default)s)")
+    harness.add_argument("--no-gpu-ipc", dest="gpu_ipc", action="store_false",
+                         help="--api and --defaults with --memory cuda: the writing Engine(gpu_ipc=False), so that GPU "
+                              "memory goes through the NICs or the staged path, not CUDA IPC")
     harness.add_argument("--no-verify", dest="verify", action="store_false",
                          help="skip the target's byte-exact check (pure speed)")
     harness.add_argument("--server-domain", default=None,

@@ -149,7 +149,7 @@ def format_api(r: dict) -> str:
                                                             for n, us in r["us_per_call"].items()),
              _describe_api_layout(r["layout"])]
     if r["memory"] == "cuda":
-        for side in ("source", "target"):
+        for side in ("source", "target", "writes"):
             path = r[side]
             lines.append(f"Engine {side} region: {path['path']}" + (f" ({path['why']})" if path["why"] else ""))
         lines.append(f"stage-15 path memory: {r['raw_memory']}")
@@ -216,8 +216,10 @@ def format_defaults(result: dict) -> str:
                  f"{best[permuted] / ceiling * 100:.0f} %")
     lines.append(f"memcpy measured as: {result['memcpy_method']}, once a round")
     if result["memory"] == "cuda":
-        lines.append(f"GPU memory on both sides: the source {result['paths']['source']}, the target "
-                     f"{result['paths']['target']} (the memcpy ceiling is host memory's)")
+        paths = result["paths"]
+        lines.append(f"GPU memory on both sides: the source {paths['source']}, the target {paths['target']}; the "
+                     f"writes went {paths['writes']}" + (f" ({paths['writes_why']})" if paths["writes_why"] else "")
+                     + " (the memcpy ceiling is host memory's)")
     lines.append(f"medians of {result['rounds']} rounds, layouts taking turns; defaults here ({result['cores']} "
                  f"cores): {result['defaults'].get('repr', '')}")
     return "\n".join(lines)

@@ -142,6 +142,32 @@ def check_gpu_memory(provider: str) -> Check:
     return Check("GPU memory", f"{found}, but {why}: GPU memory is staged through pinned host memory", SLOW, fix)
 
 
+def check_gpu_ipc() -> Check:
+    """Whether GPU memory of this host's processes can be copied GPU to GPU (the engine's cuda-ipc path)."""
+    if gpu.cuda_status() != "ok":
+        return Check("GPU peers on this host", "no CUDA here: no cuda-ipc path")
+    from .. import ipc, memory
+    devices = gpu.devices()
+    probe = memory.CudaBuffer(1 << 20)
+    try:
+        ipc.export(probe.pointer, probe.length, 0)
+    except gpu.CudaError as exc:
+        return Check("GPU peers on this host", f"CUDA IPC does not export here ({exc}): GPU -> GPU writes between "
+                     "processes go through the NICs or the staged path", SLOW,
+                     "run the processes with CUDA IPC allowed (same container or --ipc=host)")
+    finally:
+        probe.close()
+    d = gpu.require_cuda()
+    pairs = [(a.index, b.index) for a in devices for b in devices if a.index != b.index]
+    peer = [p for p in pairs if gpu.check(d.cuDeviceCanAccessPeer(*(gpu.check(d.cuDeviceGet(i), "cuDeviceGet")
+                                                                     for i in p)), "cuDeviceCanAccessPeer")]
+    between = (f"; peer access between {len(peer)} of {len(pairs)} ordered GPU pairs" if pairs else
+               "; one GPU: peers share it")
+    return Check("GPU peers on this host", "CUDA IPC handles export: GPU -> GPU writes between processes of this "
+                 "host are copied by the GPU (cuda-ipc; each peer's memory is opened at its first write, "
+                 f"Peer.route says so){between}")
+
+
 def check_same_host_path(provider: str) -> Check:
     path = nics.same_host_path(provider, same_host=True)
     switch = nics.SAME_HOST_SHM_SWITCHES.get(provider.split(";")[0])
@@ -199,7 +225,7 @@ def diagnose(provider: str | None = None) -> list[Check]:
         nics = []
     shown = nics or fi.domains(chosen, cq_data_size=0)
     checks += [check_fabric(listed, nics), check_nics(shown), check_immediate_data(shown[0]),
-               check_queue_depths(shown[0]), check_gpu_memory(chosen), check_same_host_path(chosen)]
+               check_queue_depths(shown[0]), check_gpu_memory(chosen), check_gpu_ipc(), check_same_host_path(chosen)]
     checks += check_shared_shm()
     checks += check_grouping(topology.Topology.discover(provider=chosen))
     return checks

@@ -1,0 +1,163 @@
+"""The CUDA IPC path on a GPU (fabriclab.ipc, fabriclab.ipc_writer): torch CUDA tensors on both sides, in two
+processes and in one, byte-exact with permuted pages; a target that frees its memory; a target killed
+mid-transfer; the path turned off. Marked ``gpu``: skipped (saying so) where there is no CUDA GPU and torch."""
+import hashlib
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from fabriclab import Engine, PeerLost, RegionClosed, bootstrap, gpu, memory
+from helpers import Child, python
+
+torch = pytest.importorskip("torch") if gpu.cuda_status() == "ok" else None
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(gpu.cuda_status() != "ok" or torch is None or not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU and torch")]
+HERE = os.path.dirname(os.path.abspath(__file__))
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def source_pages(seed, nbytes):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=g)
+
+
+def expected_after(source, src, dst, page, nbytes):
+    host, out = source.cpu().numpy(), np.zeros(nbytes, np.uint8)
+    for s, d in zip(src, dst):
+        out[d * page:(d + 1) * page] = host[s * page:(s + 1) * page]
+    return hashlib.sha256(out).hexdigest()
+
+
+class Target(Child):
+    def __init__(self, size, offset=4096, *options):
+        super().__init__(python(os.path.join(HERE, "ipc_peer.py"), size, offset, *options))
+        self.address, self.descriptor = bootstrap.unpack(bytes.fromhex(self.line()))
+
+
+@pytest.fixture
+def writer():
+    with Engine("shm", pin=False, timeout=10) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("pages,page,permuted", [(1024, 64 * KiB, True), (64, MiB, False), (64, MiB, True)])
+def test_two_processes_copy_through_cuda_ipc_byte_exact(writer, pages, page, permuted):
+    nbytes = pages * page
+    with Target(nbytes) as target:
+        assert target.ask("offered") == "True"
+        source = source_pages(pages, nbytes)
+        region = writer.register(source)
+        peer = writer.connect(target.address)
+        assert peer.route(region, target.descriptor) == ("cuda-ipc", "")
+        src = np.arange(pages)
+        dst = np.random.default_rng(pages).permutation(pages) if permuted else src
+        for imm in (5, 6):  # the second reuses the opened allocation and the route
+            result = peer.write_pages(region, src, target.descriptor, dst, page, imm=imm).result(30)
+            assert result.pages == pages and result.bytes == nbytes
+            expect = expected_after(source, src, dst, page, nbytes)
+            assert target.ask(f"expect {imm} {pages} 20") == f"landed {pages} sha256={expect}"
+        stats = writer.stats()["cuda_ipc"]
+        assert stats["transfers"] == 2 and stats["launches"] == 2 and stats["bytes"] == 2 * nbytes
+        runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
+        assert result.writes == runs  # pages contiguous on both sides go as one run
+
+
+def test_engines_of_one_process_copy_directly(writer):
+    n, page = 256, 64 * KiB
+    with Engine("shm", pin=False, timeout=10) as target_engine:
+        whole = torch.zeros(n * page + 8192, dtype=torch.uint8, device="cuda")
+        target = whole[4096:4096 + n * page]
+        target_region = target_engine.register(target)
+        descriptor = target_region.descriptor()
+        source = source_pages(3, n * page)
+        region = writer.register(source)
+        peer = writer.connect(target_engine.address)
+        assert peer.route(region, descriptor)[0] == "cuda-ipc"
+        dst = np.random.default_rng(1).permutation(n)
+        counted = target_engine.expect(9, n)
+        peer.write_pages(region, np.arange(n), descriptor, dst, page, imm=9).result(30)
+        assert counted.result(10) == n
+        torch.cuda.synchronize()
+        expect = expected_after(source, np.arange(n), dst, page, n * page)
+        assert hashlib.sha256(target.cpu().numpy().tobytes()).hexdigest() == expect
+        assert int(whole[:4096].sum()) == 0 and int(whole[4096 + n * page:].sum()) == 0
+
+
+def test_raw_cuda_python_memory_takes_the_path_too(writer):
+    n, page = 16, 64 * KiB
+    with Engine("shm", pin=False, timeout=10) as target_engine:
+        target = memory.CudaBuffer(n * page)
+        target_region = target_engine.register(target)
+        descriptor = target_region.descriptor()
+        source = memory.CudaBuffer(n * page)
+        data = np.random.default_rng(4).integers(0, 256, n * page, dtype=np.uint8)
+        source.write(data)
+        peer = writer.connect(target_engine.address)
+        region = writer.register(source)
+        assert peer.route(region, descriptor)[0] == "cuda-ipc"
+        peer.write_pages(region, np.arange(n), descriptor, np.arange(n)[::-1], page).result(30)
+        assert np.array_equal(target.read().reshape(n, page), data.reshape(n, page)[::-1])
+
+
+@pytest.mark.parametrize("side", ["writer", "target"])
+def test_gpu_ipc_off_takes_the_staged_path_and_says_why(side):
+    n, page = 32, 64 * KiB
+    with Engine("shm", pin=False, timeout=10, gpu_ipc=side != "writer") as writer, \
+            Target(n * page, 4096, *(["--no-ipc"] if side == "target" else [])) as target:
+        if side == "target":
+            assert target.ask("offered").startswith("False")
+        source = source_pages(7, n * page)
+        region = writer.register(source)
+        peer = writer.connect(target.address)
+        path, why = peer.route(region, target.descriptor)
+        assert path == region.path != "cuda-ipc" and ("gpu_ipc=False" in why if side == "writer" else
+                                                      "offers no CUDA IPC" in why)
+        dst = np.random.default_rng(2).permutation(n)
+        peer.write_pages(region, np.arange(n), target.descriptor, dst, page, imm=3).result(60)
+        expect = expected_after(source, np.arange(n), dst, page, n * page)
+        assert target.ask(f"expect 3 {n} 20") == f"landed {n} sha256={expect}"
+        assert writer.stats()["cuda_ipc"]["transfers"] == 0
+
+
+def test_a_closed_and_freed_target_refuses_writes_typed(writer):
+    n, page = 64, 64 * KiB
+    with Target(n * page) as target:
+        source = source_pages(8, n * page)
+        region = writer.register(source)
+        peer = writer.connect(target.address)
+        peer.write_pages(region, np.arange(n), target.descriptor, np.arange(n), page).result(30)
+        assert target.ask("close-region", timeout=30) == "closed"
+        with pytest.raises(RegionClosed) as closed:
+            peer.write_pages(region, np.arange(n), target.descriptor, np.arange(n), page).result(30)
+        assert closed.value.buffer_safe
+        assert target.ask("filler") == "filler-ok"  # the memory handed on was never written
+
+
+def test_a_target_killed_mid_transfer_fails_typed(writer):
+    n, page = 64, MiB
+    target = Target(n * page)
+    try:
+        source = source_pages(9, n * page)
+        region = writer.register(source)
+        peer = writer.connect(target.address)
+        futures, failure = [], None
+        deadline = time.monotonic() + 30
+        while failure is None and time.monotonic() < deadline:
+            futures.append(peer.write_pages(region, np.arange(n), target.descriptor, np.arange(n), page, imm=1))
+            if len(futures) == 20:
+                target.signal(signal.SIGKILL)
+            if len(futures) > 8:
+                error = futures[-8].exception(30)
+                failure = error if error is not None else None
+        assert isinstance(failure, PeerLost) and failure.buffer_safe, failure
+        for future in futures:
+            future.exception(30)  # every one ends, one way or the other
+        assert float(source[:16].float().sum()) >= 0  # this process's CUDA context still works
+    finally:
+        target.kill()
+    stats = writer.stats()["cuda_ipc"]
+    assert stats["in_flight"] == 0 and stats["routes"] == 0  # the dead peer's routes (and mapping) are gone
