@@ -314,7 +314,8 @@ class Peer:
         """Write page ``src_pages[i]`` of the local region to page ``dst_pages[i]`` of the peer's, striped
         over the NICs, batched and posted lazily by the engine's threads. Runs of pages contiguous on both
         sides go as one write each, of at most 1 MiB and leaving at least one write per NIC
-        (``Transfer.writes`` says how many writes it became); with ``imm``, the peer's ``Engine.expect``
+        (``Transfer.writes`` says how many writes it became; on the ``cuda-ipc`` path, one copy per page, all in
+        one GPU launch: ``Peer.route``); with ``imm``, the peer's ``Engine.expect``
         still counts pages: each write carries how many it moves. No source page may overlap a
         destination page (pages moved within one region): see :meth:`write`."""
         remote = self._remote(remote_descriptor)
@@ -331,12 +332,10 @@ class Peer:
                                  f"{side} region")
         _refuse_overlap(local_region, remote, src, dst, page_size, pages=True)
         service = self.engine._service
-        # a GPU copy takes any run whole; a staged region's writes leave from pool chunks, and land in lanes, one
-        # per page: no runs to join
-        if remote.ipc is not None and service.ipc.route(self, local_region, remote)[0]:
-            most = src.size
-        else:
-            most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
+        if remote.ipc is not None and service.ipc.route(self, local_region, remote)[0]:  # the GPU copies pages whole
+            return service.submit(self, local_region, remote, src, dst, page_size, page_size, imm, timeout)
+        # a staged region's writes leave from pool chunks, and land in lanes, one per page: no runs to join
+        most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
         src, dst, runs = coalesce_pages(src, dst, most)
         lengths = runs * np.uint64(page_size)
         # one length for every write (a permuted list: one page each) goes as one number
@@ -347,7 +346,7 @@ class Peer:
     def route(self, local_region: Region, remote_descriptor: bytes | PeerRegion) -> tuple[str, str]:
         """How writes from ``local_region`` into the peer's region go: ("cuda-ipc", "") where the GPU copies
         them through CUDA IPC (both GPU memory, same host, the peer's memory opens here: tried once per pair),
-        else (``local_region.path``, why not CUDA IPC)."""
+        else (the local region's ``Region.path``, why not CUDA IPC)."""
         _check_region(local_region)
         path, why = self.engine._service.ipc.route(self, local_region, self._remote(remote_descriptor))
         return (path, "") if path else (local_region.path, why)

@@ -4,8 +4,10 @@ instead of one driver call per copy. A driver call costs microseconds of CPU; a 
 thousand of them, where the copy itself takes tens of microseconds.
 
 The kernel (``_PTX``, PTX text the driver compiles for its GPU when first loaded, so that no CUDA compiler is
-needed here) reads a table of copies cut into pieces of at most PIECE_BYTES; its blocks take pieces in turn,
-and its threads copy 16 bytes at a time where source, destination and length allow it, else a byte at a time.
+needed here) reads a table of copies, each cut into ``per`` pieces of PIECE_BYTES (the last one shorter); its
+blocks take pieces in turn, and its threads copy 16 bytes at a time where source, destination and length
+allow it, else a byte at a time. Copies of one length (pages) are cut by the kernel; copies of mixed lengths
+are cut here first (:func:`pieces`), one piece an entry.
 The table lives in page-locked host memory the kernel reads directly. One :class:`Copier` per device: copies
 go on its streams round robin, each launch recorded by an event that :meth:`Copier.finished` queries."""
 from __future__ import annotations
@@ -33,16 +35,20 @@ _PTX = r"""
 .target sm_60
 .address_size 64
 
-// fl_copy_table(table, count): table[i] = {u64 src, u64 dst, u64 length}; block b copies entries b, b + grid...
-.visible .entry fl_copy_table(.param .u64 p_table, .param .u64 p_count)
+// fl_copy_table(table, count, per, piece): table[i] = {u64 src, u64 dst, u64 length}, cut into per pieces of
+// piece bytes each; block b copies pieces b, b + grid, ... (piece v: entry v / per, bytes from (v % per) * piece)
+.visible .entry fl_copy_table(.param .u64 p_table, .param .u64 p_count, .param .u64 p_per, .param .u64 p_piece)
 {
-    .reg .pred  %p<5>;
+    .reg .pred  %p<6>;
     .reg .b16   %h<2>;
     .reg .b32   %r<9>;
-    .reg .b64   %rd<20>;
+    .reg .b64   %rd<24>;
 
     ld.param.u64    %rd1, [p_table];
     ld.param.u64    %rd2, [p_count];
+    ld.param.u64    %rd17, [p_per];
+    ld.param.u64    %rd18, [p_piece];
+    mul.lo.u64      %rd2, %rd2, %rd17;
     mov.u32         %r1, %ctaid.x;
     mov.u32         %r2, %nctaid.x;
     mov.u32         %r3, %tid.x;
@@ -54,11 +60,20 @@ _PTX = r"""
 ENTRY:
     setp.ge.u64     %p1, %rd3, %rd2;
     @%p1 bra        DONE;
-    mul.lo.u64      %rd7, %rd3, 24;
+    div.u64         %rd19, %rd3, %rd17;
+    rem.u64         %rd20, %rd3, %rd17;
+    mul.lo.u64      %rd20, %rd20, %rd18;
+    mul.lo.u64      %rd7, %rd19, 24;
     add.u64         %rd7, %rd1, %rd7;
     ld.u64          %rd8, [%rd7];
     ld.u64          %rd9, [%rd7+8];
     ld.u64          %rd10, [%rd7+16];
+    setp.ge.u64     %p5, %rd20, %rd10;
+    @%p5 bra        NEXT;
+    sub.u64         %rd10, %rd10, %rd20;
+    min.u64         %rd10, %rd10, %rd18;
+    add.u64         %rd8, %rd8, %rd20;
+    add.u64         %rd9, %rd9, %rd20;
     or.b64          %rd11, %rd8, %rd9;
     or.b64          %rd11, %rd11, %rd10;
     and.b64         %rd11, %rd11, 15;
@@ -174,10 +189,18 @@ class Copier:
             return self.spare_events.pop()
         return gpu.check(self.driver.cuEventCreate(_CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
-    def copy(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> Launch:
-        """Start copying ``lengths[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every i (addresses this
-        device can reach); the Launch says when it is done (:meth:`finished`). CudaError if CUDA refuses."""
-        table = pieces(src, dst, lengths)
+    def copy(self, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray | int) -> Launch:
+        """Start copying ``lengths[i]`` (or ``lengths``) bytes from address ``src[i]`` to ``dst[i]`` for every i
+        (addresses this device can reach); the Launch says when it is done (:meth:`finished`). CudaError if CUDA
+        refuses."""
+        if isinstance(lengths, (int, np.integer)):  # one length: the kernel cuts each copy itself
+            per = max(1, -(-int(lengths) // PIECE_BYTES))
+            table = np.empty(src.size, _ENTRY)
+            table["src"], table["dst"], table["length"] = src, dst, lengths
+            nbytes = int(lengths) * src.size
+        else:
+            table, per = pieces(src, dst, lengths), 1
+            nbytes = int(table["length"].sum())
         d = self.driver
         with self.lock:
             if self.closed:
@@ -192,14 +215,14 @@ class Copier:
                     self.spare_events.append(last.event)
             address, device_table = self._table(slot, table.size)
             ctypes.memmove(address, table.ctypes.data, table.nbytes)
-            values = np.array([device_table, table.size], np.uint64)
-            params = np.array([values.ctypes.data, values.ctypes.data + 8], np.uint64)
+            values = np.array([device_table, table.size, per, PIECE_BYTES], np.uint64)
+            params = values.ctypes.data + np.arange(4, dtype=np.uint64) * np.uint64(8)  # a pointer to each value
             stream = self.streams[slot]
-            gpu.check(d.cuLaunchKernel(self.kernel, min(table.size, self.most_blocks), 1, 1, THREADS, 1, 1, 0, stream,
-                                       params.ctypes.data, 0), "cuLaunchKernel(copy kernel)")
+            gpu.check(d.cuLaunchKernel(self.kernel, min(table.size * per, self.most_blocks), 1, 1, THREADS, 1, 1, 0,
+                                       stream, params.ctypes.data, 0), "cuLaunchKernel(copy kernel)")
             event = self._event()
             gpu.check(d.cuEventRecord(event, stream), "cuEventRecord")
-            launch = self.last[slot] = Launch(event, slot, int(table["length"].sum()))
+            launch = self.last[slot] = Launch(event, slot, nbytes)
         return launch
 
     def finished(self, launch: Launch, wait: bool = False) -> bool:

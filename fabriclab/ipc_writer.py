@@ -225,20 +225,23 @@ class IpcPath:
         return gates
 
     def submit(self, peer: Peer, local: Region, remote: PeerRegion, src: np.ndarray, dst: np.ndarray,
-               lengths: np.ndarray, imm: int, timeout: float, pages: int) -> Transfer:
-        """Copy ``lengths[i]`` bytes from byte ``src[i]`` of ``local`` to byte ``dst[i]`` of ``remote`` with
-        the GPU (:meth:`route` said yes); the transfer resolves once the bytes are in the peer's memory."""
+               lengths: np.ndarray | int, imm: int, timeout: float, pages: int) -> Transfer:
+        """Copy ``lengths[i]`` (or ``lengths``) bytes from byte ``src[i]`` of ``local`` to byte ``dst[i]`` of
+        ``remote`` with the GPU (:meth:`route` said yes), in one launch: ``Transfer.writes`` counts the copies
+        asked for (the GPU takes pages whole, nothing is joined). The transfer resolves once the bytes are in
+        the peer's memory."""
         route = self._route(peer, local, remote)
         assert isinstance(route, _Route)
         service = self.service
         deadline = time.monotonic() + timeout
-        transfer = Transfer(src.size, int(lengths.sum()), deadline, Safety(service.timeout), pages)
+        nbytes = src.size * lengths if isinstance(lengths, int) else int(lengths.sum())
+        transfer = Transfer(src.size, nbytes, deadline, Safety(service.timeout), pages)
         if not route.gates.enter(route.slot, route.key):
             self._forget(lambda k: k[1:] == (remote.engine_id, remote.region_id))
             raise RegionClosed(f"the peer closed region {remote.region_id}", buffer_safe=True)
         try:
             copier = self._copier(route.device)
-            launch = copier.copy(local.pointer + src.astype(np.uint64), route.base + dst.astype(np.uint64), lengths)
+            launch = copier.copy(np.uint64(local.pointer) + src, np.uint64(route.base) + dst, lengths)
         except gpu.CudaError as exc:
             route.gates.leave(route.slot)
             raise StagingFailed(f"the GPU copy into the peer's memory failed to start: {exc}", buffer_safe=True) from None

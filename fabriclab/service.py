@@ -217,9 +217,9 @@ class Service:
         if region.path == "host-staged":
             raise fi.UsageError(f"region {region.id} is host memory staged on purpose (a test switch): a target only")
         if remote.ipc is not None and self.ipc.route(peer, region, remote)[0]:
-            sizes = np.full(src.size, lengths, np.uint64) if isinstance(lengths, int) else lengths.astype(np.uint64)
-            return self.ipc.submit(peer, region, remote, src.astype(np.int64) * stride, dst.astype(np.int64) * stride,
-                                   sizes, wire_imm, seconds, src.size if pages is None else pages)
+            return self.ipc.submit(peer, region, remote, src.astype(np.uint64) * np.uint64(stride),
+                                   dst.astype(np.uint64) * np.uint64(stride), lengths, wire_imm, seconds,
+                                   src.size if pages is None else pages)
         if remote.landing is not None:
             return staged.submit_landing(self, peer, region, remote, src.astype(np.int64) * stride,
                                          dst.astype(np.int64) * stride, lengths, wire_imm, seconds)

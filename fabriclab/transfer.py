@@ -151,6 +151,7 @@ class Transfer(AwaitableFuture):
         return result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The transfer's failure (None once it succeeded), as ``concurrent.futures.Future.exception``."""
         if self._finish_here is not None and not self.done():
             self._finish_here()
         return super().exception(timeout)

@@ -1,7 +1,7 @@
 """A GPU target for the CUDA IPC tests: an Engine with one torch CUDA region at an offset inside a larger
 allocation (as torch's caching allocator hands them out), waiting for writes.
 
-    python tests/ipc_peer.py SIZE OFFSET [--no-ipc]
+    python tests/ipc_peer.py SIZE OFFSET [--no-ipc] [--device=N]
 prints the packed (address, descriptor) as one hex line, then answers commands, one per line:
 "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (of the region's bytes) or "timeout"; "close-region"
 (closes the region, frees its allocation and empties torch's cache, then fills a new allocation of the
@@ -16,7 +16,8 @@ from fabriclab import Engine, TransferTimeout, bootstrap
 
 size, offset = int(sys.argv[1]), int(sys.argv[2])
 with Engine("shm", pin=False, timeout=10, gpu_ipc="--no-ipc" not in sys.argv[3:]) as engine:
-    whole = torch.zeros(offset + size + 4096, dtype=torch.uint8, device="cuda")
+    device = next((a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("--device=")), "0")
+    whole = torch.zeros(offset + size + 4096, dtype=torch.uint8, device=f"cuda:{device}")
     tensor = whole[offset:offset + size]
     region = engine.register(tensor)
     print(bootstrap.pack(engine.address, region.descriptor()).hex(), flush=True)
@@ -36,7 +37,7 @@ with Engine("shm", pin=False, timeout=10, gpu_ipc="--no-ipc" not in sys.argv[3:]
             del tensor, whole, region
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-            filler = torch.full((offset + size + 4096,), 7, dtype=torch.uint8, device="cuda")
+            filler = torch.full((offset + size + 4096,), 7, dtype=torch.uint8, device=f"cuda:{device}")
             print("closed", flush=True)
         elif words[0] == "filler":
             torch.cuda.synchronize()

@@ -20,9 +20,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def source_pages(seed, nbytes):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=g)
+def source_pages(seed, nbytes, device=0):
+    g = torch.Generator(device=f"cuda:{device}").manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{device}", generator=g)
 
 
 def expected_after(source, src, dst, page, nbytes):
@@ -62,8 +62,7 @@ def test_two_processes_copy_through_cuda_ipc_byte_exact(writer, pages, page, per
             assert target.ask(f"expect {imm} {pages} 20") == f"landed {pages} sha256={expect}"
         stats = writer.stats()["cuda_ipc"]
         assert stats["transfers"] == 2 and stats["launches"] == 2 and stats["bytes"] == 2 * nbytes
-        runs = 1 + int(np.count_nonzero((np.diff(src) != 1) | (np.diff(dst) != 1)))
-        assert result.writes == runs  # pages contiguous on both sides go as one run
+        assert result.writes == pages  # one copy a page, all in one launch
 
 
 def test_engines_of_one_process_copy_directly(writer):
@@ -161,3 +160,25 @@ def test_a_target_killed_mid_transfer_fails_typed(writer):
         target.kill()
     stats = writer.stats()["cuda_ipc"]
     assert stats["in_flight"] == 0 and stats["routes"] == 0  # the dead peer's routes (and mapping) are gone
+
+
+@pytest.mark.skipif(torch is None or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_copy_between_devices_or_say_why(writer):
+    """The writer's memory on GPU 1, the target's on GPU 0: the copy runs on GPU 1 into GPU 0's memory (peer
+    access, NVLink or PCIe) where the devices allow it; elsewhere the route says why and the staged path runs."""
+    n, page = 256, 64 * KiB
+    with Target(n * page, 4096, "--device=0") as target:
+        source = source_pages(11, n * page, device=1)
+        region = writer.register(source)
+        assert region.device == 1
+        peer = writer.connect(target.address)
+        path, why = peer.route(region, target.descriptor)
+        print(f"GPU 1 -> GPU 0: {path} {why}")
+        d = gpu.require_cuda()
+        can = gpu.check(d.cuDeviceCanAccessPeer(gpu.check(d.cuDeviceGet(1), "get"), gpu.check(d.cuDeviceGet(0), "get")),
+                        "cuDeviceCanAccessPeer")
+        assert (path == "cuda-ipc") == bool(can), why
+        dst = np.random.default_rng(3).permutation(n)
+        peer.write_pages(region, np.arange(n), target.descriptor, dst, page, imm=4).result(60)
+        expect = expected_after(source, np.arange(n), dst, page, n * page)
+        assert target.ask(f"expect 4 {n} 20") == f"landed {n} sha256={expect}"
