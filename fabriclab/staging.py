@@ -35,7 +35,7 @@ DEFAULT_CHUNK_BYTES = 4 << 20     # one copy + one batch of writes; the pool hol
 COPY_STREAMS = 4                  # chunks copied concurrently (one CUDA stream each, round robin)
 FAILURES = ("cuda", "timeout", "closed", "engine")  # why a staged transfer failed, as Stager reports it
 
-_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+_CU_POINTER_ATTRIBUTE_CONTEXT = 1
 _CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
 _CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
 _CU_MEMHOSTALLOC_PORTABLE = 1
@@ -53,10 +53,17 @@ def pointer_device(pointer: int, length: int) -> int:
     memory (never allocated, freed by its owner, or shorter than ``length``)."""
     driver = gpu.require_cuda()
     attr = driver.CUpointer_attribute
-    err, device = driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL), pointer)
+    # the device through the allocation's context: cuda-python 13's DEVICE_ORDINAL attribute said 0 for memory
+    # of GPU 1 (two-GPU machine, driver 13.0)
+    err, context = driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_CONTEXT), pointer)
     if int(err) != 0:
         raise StagingError(f"{pointer:#x} is not live CUDA memory (freed by its owner?): CUDA error {int(err)} "
                            f"({gpu.error_name(err)})")
+    gpu.check(driver.cuCtxPushCurrent(context), "cuCtxPushCurrent")
+    try:
+        device = gpu.check(driver.cuCtxGetDevice(), "cuCtxGetDevice")
+    finally:
+        driver.cuCtxPopCurrent()
     start = int(gpu.check(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR), pointer),
                        "cuPointerGetAttribute(range start)"))
     size = int(gpu.check(driver.cuPointerGetAttribute(attr(_CU_POINTER_ATTRIBUTE_RANGE_SIZE), pointer),
