@@ -8,7 +8,9 @@ from the ones below it (``tests/test_layers.py`` holds it to that):
 * the library core: ``nics`` (NIC sets, worker placement), ``_native`` (the C engine's wrapper),
   ``memory``, ``gpu``, ``staging`` (GPU memory through pinned host memory), ``landing`` (staged GPU
   targets: landing lanes; its halves ``landing_target`` and ``landing_writer``), ``control`` (their control
-  channel and its messages, checked), ``lanecopy`` (copying landed lanes into place), ``topology``,
+  channel and its messages, checked), ``lanecopy`` (copying landed lanes into place), ``gpucopy`` (many copies
+  in one CUDA launch), ``ipc`` (GPU regions offered to peers on this host through CUDA IPC; the writer's half,
+  the ``cuda-ipc`` path, is ``ipc_writer``), ``topology``,
   ``recorded`` (recorded runs shipped as data), ``shmclean``, ``cli`` (command-line plumbing), ``measure`` (the
   one Gbps formula and the one verdict on interleaved runs), ``engine`` (``Engine``, ``Region``, ``Peer``: the
   public front) over its private machinery (``config``, ``errors``, ``transfer``, ``wire``, ``buffers``,

@@ -20,6 +20,7 @@ import collections
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,7 @@ class IpcPath:
     (writer half, with the completer thread started at the first copy)."""
 
     def __init__(self, service: Service) -> None:
-        self.service = service
+        self.service = weakref.proxy(service)  # the service holds this: no cycle that only the GC could break
         self.enabled = service.config.gpu_ipc
         self.lock = threading.Lock()
         self.gates: ipc.Gates | None = None

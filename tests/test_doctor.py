@@ -20,7 +20,7 @@ def test_this_box_is_reported_plainly():
     report = json.loads(done.stdout)
     checks = {c["item"]: c for c in report["checks"]}
     assert list(checks) == ["libfabric", "provider", "fabric", "NICs", "immediate data", "queue depths", "GPU memory",
-                            "same-host peers", "GPU <-> NIC groups", "cores to pin"]
+                            "GPU peers on this host", "same-host peers", "GPU <-> NIC groups", "cores to pin"]
     assert all(c["verdict"] in (doctor.OK, doctor.SLOW, doctor.FAIL) for c in checks.values())
     assert checks["provider"]["verdict"] == doctor.SLOW and "EFA" in checks["provider"]["fix"]  # software provider
     assert "emulated" in checks["NICs"]["found"]  # shm has one domain

@@ -227,7 +227,8 @@ def test_bench_defaults_prints_a_table_with_defaults_against_the_sweep(fabric):
     assert "defaults % of best" in table and "memcpy ceiling" in table
     assert "pthreads" in result["memcpy_method"] and len(result["memcpy_8_threads_runs_gbs"]) == 1
     assert "memcpy measured as: C memcpy" in table
-    assert result["memory"] == "host" and result["paths"] == {"source": "host", "target": "host"}
+    assert result["memory"] == "host" and result["paths"] == {"source": "host", "target": "host", "writes": "host",
+                                                                     "writes_why": "the source is host memory"}
 
 
 @pytest.mark.gpu
