@@ -16,12 +16,6 @@
 
 struct sim_model sim_model;
 
-uint64_t sim_now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static double env_double(const char *name, double fallback) {
     const char *v = getenv(name);
     if (!v || !*v) return fallback;
