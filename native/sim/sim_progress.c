@@ -151,10 +151,10 @@ static size_t complete_due(struct sim_ep *ep, void *buf, size_t count, size_t n,
     return n;
 }
 
-/* The writer side: what is due to leave leaves; operations whose acknowledgement is due complete (in posting
- * order with FABRICLAB_SIM_ORDERED=1); the oldest also when its peer is known gone. */
+/* The writer side, once what is due to leave has left (sim_send_due, by the caller): operations whose
+ * acknowledgement is due complete (in posting order with FABRICLAB_SIM_ORDERED=1); the oldest also when its peer
+ * is known gone. */
 size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
-    sim_send_due(ep, now);
     if (!sim_model.ordered && now >= ep->next_due_ns) n = complete_due(ep, buf, count, n, now);
     while (ep->tx_head != ep->tx_tail) {
         struct sim_pending *t = &ep->tx[ep->tx_head % SIM_TX];
