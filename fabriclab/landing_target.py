@@ -62,8 +62,9 @@ class LandingTarget:
     grants them, leases them, copies the pages written into them to their place, and answers the writers."""
 
     def __init__(self, channel: control.ControlChannel, engine_id: int, native: _native.NativeEngine,
-                 lock: threading.Lock, count_peer: Callable[[int, int], None], lease_s: float) -> None:
-        self.channel, self.engine_id, self.native, self.lock = channel, engine_id, native, lock
+                 lock: threading.Lock, count_peer: Callable[[int, int], None], lease_s: float,
+                 wake: threading.Event) -> None:
+        self.channel, self.engine_id, self.native, self.lock, self.wake = channel, engine_id, native, lock, wake
         self._count_peer, self.lease_s = count_peer, lease_s
         self.pool: staging.PinnedPool | None = None
         self.lanes: list[_Lane] = []
@@ -235,7 +236,7 @@ class LandingTarget:
     def _copier(self, kind: str) -> HostCopier | CudaCopier:
         copier = self.copiers.get(kind)
         if copier is None:
-            copier = self.copiers[kind] = CudaCopier(len(self.lanes)) if kind == "cuda" else HostCopier()
+            copier = self.copiers[kind] = CudaCopier(len(self.lanes)) if kind == "cuda" else HostCopier(self.wake.set)
         return copier
 
     def work(self) -> bool:

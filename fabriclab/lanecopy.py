@@ -3,8 +3,11 @@ checked against the region and the lane, as copies; and the copiers that make th
 memory, the tests' switch) or cuMemcpyHtoDAsync (GPU memory). The copiers add checked offsets only."""
 from __future__ import annotations
 
+import collections
 import ctypes
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,24 +47,56 @@ def checked_copies(entries: np.ndarray, region: TargetRegion, lane_bytes: int) -
 
 class HostCopier:
     """Copies landed pages with memmove: host-memory staged targets (a private switch the tests use to run
-    the whole protocol without a GPU; see Engine._register_staged_host)."""
+    the whole protocol without a GPU; see Engine._register_staged_host). As CudaCopier's copies run on
+    the GPU's copy engines, these run on a thread of their own, in the order started: the landing thread
+    goes on serving (granting, reading FILLED, answering) while a lane is copied; ``copied()``, if given, is
+    called (on the copying thread) after each lane."""
 
-    def __init__(self) -> None:
+    def __init__(self, copied: Callable[[], object] | None = None) -> None:
         self.seconds = 0.0
+        self.on_copied = copied
+        self.cond = threading.Condition()
+        self.waiting: collections.deque[tuple[int, int, int, Copies]] = collections.deque()
+        self.copied: set[int] = set()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="fabriclab-landing-copy", daemon=True)
+        self.thread.start()
 
     def start(self, lane: int, source: int, destination: int, copies: Copies) -> None:
         """Copy ``copies`` (checked_copies: offsets inside the lane and the region) from the lane at
         ``source`` to the region at ``destination``."""
-        started = time.perf_counter()
-        for src, dst, length in zip(*copies):
-            ctypes.memmove(destination + int(dst), source + int(src), int(length))
-        self.seconds += time.perf_counter() - started
+        with self.cond:
+            self.copied.discard(lane)
+            self.waiting.append((lane, source, destination, copies))
+            self.cond.notify()
 
     def finished(self, lane: int) -> bool:
-        return True
+        with self.cond:
+            return lane in self.copied
 
     def close(self) -> None:
-        pass
+        """Once the copies started are done (they write into regions still in use until they finish)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.waiting and not self.closed:
+                    self.cond.wait()
+                if not self.waiting:
+                    return
+                lane, source, destination, copies = self.waiting.popleft()
+            started = time.perf_counter()
+            for src, dst, length in zip(*(part.tolist() for part in copies)):
+                ctypes.memmove(destination + dst, source + src, length)
+            with self.cond:
+                self.seconds += time.perf_counter() - started
+                self.copied.add(lane)
+            if self.on_copied is not None:
+                self.on_copied()
 
 
 class CudaCopier:

@@ -7,8 +7,9 @@ a writer and its target in two processes, one transfer at a time (the shapes of 
 
 Each ``--code DIR`` is a checkout whose ``fabriclab`` package is imported (a copy of an earlier commit, to
 compare before and after); the checkouts take turns round after round (interleaved), each round a fresh
-pair of processes. Per shape and checkout it prints the median GB/s of the rounds with their spread, and the
-one-thread memcpy ceiling of this machine measured between rounds (the target's copy is one memmove per
+pair of processes. Per shape and checkout it prints the median GB/s of the rounds with their spread, the CPU
+seconds both processes spent per GB moved (on a host of few cores, the copies and the polling threads of
+both sides share them), and the one-thread memcpy ceiling of this machine measured between rounds (the target's copy is one memmove per
 lane run on one thread). Every round checks the target's bytes against the source's (byte-exact)."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -35,7 +37,14 @@ def target(provider: str, size: int, plain: bool) -> None:
         for line in sys.stdin:
             if line.strip() == "digest":
                 print(hashlib.sha256(buffer).hexdigest(), flush=True)
+            elif line.strip() == "cpu":
+                print(_cpu_seconds(), flush=True)
         print(json.dumps(engine.stats()["staging"]), flush=True)
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def writer(provider: str, transfers: int, warmup: int, plain: bool) -> None:
@@ -58,17 +67,25 @@ def writer(provider: str, transfers: int, warmup: int, plain: bool) -> None:
                     dst = src if order == "contiguous" else np.random.default_rng(pages).permutation(pages)
                     for _ in range(warmup):
                         peer.write_pages(region, src, descriptor, dst, page).result(timeout=60)
+                    far.stdin.write("cpu\n")
+                    far.stdin.flush()
+                    cpu = _cpu_seconds() + float(far.stdout.readline())
                     started = time.perf_counter()
                     for _ in range(transfers):
                         peer.write_pages(region, src, descriptor, dst, page).result(timeout=60)
                     seconds = time.perf_counter() - started
+                    far.stdin.write("cpu\n")
+                    far.stdin.flush()
+                    cpu = _cpu_seconds() + float(far.stdout.readline()) - cpu
                     expected = np.empty_like(source)
                     expected.reshape(-1, page)[dst] = source.reshape(-1, page)[src]
                     far.stdin.write("digest\n")
                     far.stdin.flush()
                     if far.stdout.readline().strip() != hashlib.sha256(expected).hexdigest():
                         raise SystemExit(f"{pages}x{page} {order}: the target's bytes differ from the source's")
-                    result[f"{pages}x{page >> 10}KiB {order}"] = transfers * pages * page / seconds / 1e9
+                    case = f"{pages}x{page >> 10}KiB {order}"
+                    result[case] = transfers * pages * page / seconds / 1e9
+                    result[f"{case} cpu"] = cpu / (transfers * pages * page / 1e9)
     finally:
         far.stdin.close()
         far.wait(30)
@@ -118,7 +135,10 @@ def main() -> None:
     for code in codes:
         print(code)
         for case, values in runs[code].items():
-            print(f"  {case:24} {np.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})")
+            if not case.endswith(" cpu"):
+                cpu = runs[code][f"{case} cpu"]
+                print(f"  {case:24} {np.median(values):6.2f} ({min(values):.2f}-{max(values):.2f}) GB/s   "
+                      f"{np.median(cpu):5.3f} ({min(cpu):.3f}-{max(cpu):.3f}) CPU s/GB")
     print(f"memcpy ceiling, 1 thread: {np.median(ceilings):.2f} GB/s ({min(ceilings):.2f}-{max(ceilings):.2f})")
 
 
