@@ -233,10 +233,13 @@ class LandingTarget:
                 self._free_lane(self.lanes[number])
         self._forget(client)
 
-    def _copier(self, kind: str) -> HostCopier | CudaCopier:
+    def _copier(self, device: int | None) -> HostCopier | CudaCopier:
+        """The copier into host memory (``device`` None), or into GPU ``device``'s memory (in its context)."""
+        kind = "host" if device is None else f"cuda:{device}"
         copier = self.copiers.get(kind)
         if copier is None:
-            copier = self.copiers[kind] = CudaCopier(len(self.lanes)) if kind == "cuda" else HostCopier(self.wake.set)
+            copier = self.copiers[kind] = HostCopier(self.wake.set) if device is None else CudaCopier(
+                len(self.lanes), device)
         return copier
 
     def work(self) -> bool:
@@ -273,9 +276,9 @@ class LandingTarget:
             self._drop(owner, ("engine", why))
             return
         try:
-            copier = self._copier(region.kind)
-            if region.kind == "cuda":
-                staging.pointer_device(region.pointer, region.length)  # freed by its owner?
+            # the device holding the region (which raises if its owner freed it)
+            device = staging.pointer_device(region.pointer, region.length) if region.kind == "cuda" else None
+            copier = self._copier(device)
             region.state.in_use += 1
             try:
                 copier.start(lane.number, pool.pointer + lane.number * pool.chunk_bytes, region.pointer, copies)

@@ -100,12 +100,14 @@ class HostCopier:
 
 
 class CudaCopier:
-    """Copies landed pages host → GPU with cuMemcpyHtoDAsync, one CUDA stream per lane modulo
-    staging.COPY_STREAMS, an event per lane saying when its copies are done."""
+    """Copies landed pages host → GPU ``device`` with cuMemcpyHtoDAsync, in that device's primary context (the
+    lanes are portable pinned memory: any device reads them), one CUDA stream per lane modulo
+    staging.COPY_STREAMS, an event per lane saying when its copies are done. A lane's pages were joined
+    where they continue each other (lane_copies): one copy call per run, not per page."""
 
-    def __init__(self, lanes: int) -> None:
+    def __init__(self, lanes: int, device: int) -> None:
         d = self.driver = gpu.require_cuda()
-        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(0), "cuDeviceGet")),
+        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(device), "cuDeviceGet")),
                                "cuDevicePrimaryCtxRetain")
         gpu.check(d.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         self.streams = [gpu.check(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(staging.COPY_STREAMS)]
@@ -120,9 +122,8 @@ class CudaCopier:
         stream = self.streams[lane % len(self.streams)]
         gpu.check(d.cuEventRecord(self.started[lane], stream), "cuEventRecord")
         try:
-            for src, dst, length in zip(*copies):
-                gpu.check(d.cuMemcpyHtoDAsync(destination + int(dst), source + int(src), int(length), stream),
-                        "cuMemcpyHtoDAsync")
+            for src, dst, length in zip(*(part.tolist() for part in copies)):
+                gpu.check(d.cuMemcpyHtoDAsync(destination + dst, source + src, length, stream), "cuMemcpyHtoDAsync")
             gpu.check(d.cuEventRecord(self.copied[lane], stream), "cuEventRecord")
         except gpu.CudaError:
             d.cuStreamSynchronize(stream)  # nothing of ours may still read the lane
