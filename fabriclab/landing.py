@@ -38,7 +38,6 @@ and :mod:`fabriclab.landing_writer` (jobs into peers' staged targets).
 from __future__ import annotations
 
 import collections
-import ctypes
 import secrets
 import threading
 import time
@@ -58,15 +57,6 @@ __all__ = ["Landing", "LandingJob", "TargetRegion", "max_lanes"]
 POLL_S = 0.0001         # while transfers run through it, or did lately
 IDLE_S = 0.05           # ... "lately"
 IDLE_POLL_S = 0.001     # otherwise: the first word of a peer after a quiet spell waits up to this long
-_TIMER_SLACK_NS = 5000  # of the landing thread: waits of POLL_S would last 50 us more with Linux's default
-
-
-def _quick_timers() -> None:
-    """The calling thread's timers fire within _TIMER_SLACK_NS (Linux; elsewhere nothing changes)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(29, _TIMER_SLACK_NS, 0, 0, 0)  # PR_SET_TIMERSLACK
-    except (OSError, AttributeError):
-        pass
 
 
 def max_lanes(pool_bytes: int, lane_bytes: int) -> tuple[int, int]:
@@ -156,7 +146,7 @@ class Landing:
                 self.thread = self._start()
 
     def _run(self) -> None:
-        _quick_timers()
+        staging.quick_timers()  # waits of POLL_S, not POLL_S + 50 us
         while not self.closed:
             now = time.monotonic()
             if now - self.last_loop > control.STALL_S:
