@@ -18,6 +18,12 @@ which on some providers says only that they left; the target starts copying once
 have arrived: each write into lane L carries immediate data of its own (``_native.lane_imm(L)``), counted
 by the engine's workers apart from callers' values.
 
+The steps overlap: a writer writes into a few lanes at a time, in order (landing_writer.WRITE_AHEAD), and
+says FILLED for each as soon as its writes are done, while the target copies the lanes filled before (on
+CUDA streams, or a thread of its own for host memory) and grants freed lanes to the requests waiting; the
+landing thread wakes at once for its own events (a job, a lane's writes done, a lane copied) and polls the
+control endpoint every POLL_S for the peers' words. So the slowest step sets the pace, not their sum.
+
 A writer may land only where a descriptor it holds allows: asking for lanes takes the region's key (in its
 descriptor), a lane is granted for one region, and a FILLED counts only from the writer the lane is leased
 to (a transfer is named by a random 64-bit number only it and the target know), for that region, with

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import gpu, staging
+from ._native import WORKER_EXIT_TIMEOUT
 from .control import BadMessage
 
 if TYPE_CHECKING:
@@ -75,11 +76,11 @@ class HostCopier:
             return lane in self.copied
 
     def close(self) -> None:
-        """Once the copies started are done (they write into regions still in use until they finish)."""
+        """Once the copies started are done (they write into regions kept in use until they finish)."""
         with self.cond:
             self.closed = True
             self.cond.notify()
-        self.thread.join()
+        self.thread.join(WORKER_EXIT_TIMEOUT)  # memmoves of at most a pool's bytes: done long before
 
     def _run(self) -> None:
         while True:
