@@ -9,8 +9,10 @@ Each ``--code DIR`` is a checkout whose ``fabriclab`` package is imported (a cop
 compare before and after); the checkouts take turns round after round (interleaved), each round a fresh
 pair of processes. Per shape and checkout it prints the median GB/s of the rounds with their spread, the CPU
 seconds both processes spent per GB moved (on a host of few cores, the copies and the polling threads of
-both sides share them), and the one-thread memcpy ceiling of this machine measured between rounds (the target's copy is one memmove per
-lane run on one thread). Every round checks the target's bytes against the source's (byte-exact)."""
+both sides share them), and the one-thread memcpy ceiling of this machine measured between rounds (the
+target's copy is one memmove per lane run on one thread). ``--plain`` registers the target as plain host
+memory instead: the writes alone, for reference. Every round checks the target's bytes against the
+source's (byte-exact)."""
 from __future__ import annotations
 
 import argparse
