@@ -18,6 +18,12 @@ which on some providers says only that they left; the target starts copying once
 have arrived: each write into lane L carries immediate data of its own (``_native.lane_imm(L)``), counted
 by the engine's workers apart from callers' values.
 
+The steps overlap: a writer writes into a few lanes at a time, in order (landing_writer.WRITE_AHEAD), and
+says FILLED for each as soon as its writes are done, while the target copies the lanes filled before (on
+CUDA streams, or a thread of its own for host memory) and grants freed lanes to the requests waiting; the
+landing thread wakes at once for its own events (a job, a lane's writes done, a lane copied) and polls the
+control endpoint every POLL_S for the peers' words. So the slowest step sets the pace, not their sum.
+
 A writer may land only where a descriptor it holds allows: asking for lanes takes the region's key (in its
 descriptor), a lane is granted for one region, and a FILLED counts only from the writer the lane is leased
 to (a transfer is named by a random 64-bit number only it and the target know), for that region, with
@@ -51,6 +57,13 @@ from .landing_writer import LandingJob, LandingWriter
 
 __all__ = ["Landing", "LandingJob", "TargetRegion", "max_lanes"]
 
+# How often the landing thread polls its control endpoint when it has nothing to do: software providers carry
+# a peer's words (GRANT, FILLED, COPIED) only when polled, and nothing else says they came. Its own events (a
+# job submitted, a lane's writes done, a lane copied to host memory) wake it at once.
+POLL_S = 0.0001         # while transfers run through it, or did lately
+IDLE_S = 0.05           # ... "lately"
+IDLE_POLL_S = 0.001     # otherwise: the first word of a peer after a quiet spell waits up to this long
+
 
 def max_lanes(pool_bytes: int, lane_bytes: int) -> tuple[int, int]:
     """(lanes, bytes) of a landing pool: the staging pool's layout, at most MAX_LANES lanes (a lane's number
@@ -73,8 +86,9 @@ class Landing:
         self.closed = False
         self.rejected = control.Rejected()
         self.peers: dict[int, int] = {}  # engines it serves or writes to -> how many transfers
-        self.target = LandingTarget(self.channel, engine_id, native, self.lock, self._count_peer, lease_s)
-        self.writer = LandingWriter(self.channel, engine_id, self._count_peer, failure_type)
+        self.wake = threading.Event()  # something for the thread to do: a job, its writes done, a lane copied
+        self.target = LandingTarget(self.channel, engine_id, native, self.lock, self._count_peer, lease_s, self.wake)
+        self.writer = LandingWriter(self.channel, engine_id, self._count_peer, failure_type, self.wake)
         self.handlers: dict[int, Callable[..., None]] = {
             control.REQUEST: self.target.requested, control.FILLED: self.target.filled,
             control.RELEASE: self.target.released, control.ALIVE: self.target.alive,
@@ -106,11 +120,13 @@ class Landing:
             if self.closed:
                 raise fi.UsageError("the engine is closed")
             self.new_jobs.append(job)
+        self.wake.set()
 
     def send_soon(self, address: bytes, message: bytes) -> None:
         """Have the landing thread send ``message`` to the control endpoint at ``address`` (from any thread;
         no reply is awaited: a peer that cannot be reached is dropped as any)."""
         self.outgoing.append((address, message))
+        self.wake.set()
 
     def stats(self) -> dict[str, Any]:
         return {"landed_bytes": self.target.landed_bytes, "landed_lanes": self.target.landed_lanes,
@@ -143,11 +159,13 @@ class Landing:
                 self.thread = self._start()
 
     def _run(self) -> None:
+        staging.quick_timers()  # waits of POLL_S, not POLL_S + 50 us
         while not self.closed:
             now = time.monotonic()
             if now - self.last_loop > control.STALL_S:
                 self._stalled(now - self.last_loop)
             self.last_loop = now
+            self.wake.clear()  # a wake from here on ends the wait below
             try:
                 busy = self._serve()
             except control.Superseded:
@@ -158,19 +176,13 @@ class Landing:
             now = time.monotonic()
             if busy:
                 self.last_busy = now
-            elif now - self.last_busy > 0.05:
-                time.sleep(0.001)  # idle: software providers still need the control endpoint polled
+            elif self.writer.jobs or self.target.clients or now - self.last_busy < IDLE_S:
+                self.wake.wait(POLL_S)
             else:
-                time.sleep(0.00002)
+                self.wake.wait(IDLE_POLL_S)
 
     def _serve(self) -> bool:
-        messages, failed = self.channel.progress()
-        busy = bool(messages)
-        for message in messages:
-            self._dispatch(message)
-        for dest in failed:  # a control endpoint that takes no more messages: its writers and targets are gone
-            self.target.unreachable(dest)
-            self.writer.unreachable(dest)
+        busy = self._exchange()
         while self.outgoing:
             address, message = self.outgoing.popleft()
             try:
@@ -183,7 +195,20 @@ class Landing:
         busy |= self.writer.start(new)
         busy |= self.target.work()
         busy |= self.writer.work()
+        if self.channel.can_send:  # the words just said (GRANT, FILLED, COPIED) go before the writes are posted
+            busy |= self._exchange()
+        busy |= self.writer.write()
         return busy or self.channel.can_send
+
+    def _exchange(self) -> bool:
+        """Send what waits to be sent, serve what arrived: whether anything did."""
+        messages, failed = self.channel.progress()
+        for message in messages:
+            self._dispatch(message)
+        for dest in failed:  # a control endpoint that takes no more messages: its writers and targets are gone
+            self.target.unreachable(dest)
+            self.writer.unreachable(dest)
+        return bool(messages)
 
     def _dispatch(self, message: bytes) -> None:
         """Serve one message on its own: a bad one is dropped and counted, the others read with it are not."""

@@ -62,8 +62,9 @@ class LandingTarget:
     grants them, leases them, copies the pages written into them to their place, and answers the writers."""
 
     def __init__(self, channel: control.ControlChannel, engine_id: int, native: _native.NativeEngine,
-                 lock: threading.Lock, count_peer: Callable[[int, int], None], lease_s: float) -> None:
-        self.channel, self.engine_id, self.native, self.lock = channel, engine_id, native, lock
+                 lock: threading.Lock, count_peer: Callable[[int, int], None], lease_s: float,
+                 wake: threading.Event) -> None:
+        self.channel, self.engine_id, self.native, self.lock, self.wake = channel, engine_id, native, lock, wake
         self._count_peer, self.lease_s = count_peer, lease_s
         self.pool: staging.PinnedPool | None = None
         self.lanes: list[_Lane] = []
@@ -232,10 +233,13 @@ class LandingTarget:
                 self._free_lane(self.lanes[number])
         self._forget(client)
 
-    def _copier(self, kind: str) -> HostCopier | CudaCopier:
+    def _copier(self, device: int | None) -> HostCopier | CudaCopier:
+        """The copier into host memory (``device`` None), or into GPU ``device``'s memory (in its context)."""
+        kind = "host" if device is None else f"cuda:{device}"
         copier = self.copiers.get(kind)
         if copier is None:
-            copier = self.copiers[kind] = CudaCopier(len(self.lanes)) if kind == "cuda" else HostCopier()
+            copier = self.copiers[kind] = HostCopier(self.wake.set) if device is None else CudaCopier(
+                len(self.lanes), device)
         return copier
 
     def work(self) -> bool:
@@ -272,9 +276,9 @@ class LandingTarget:
             self._drop(owner, ("engine", why))
             return
         try:
-            copier = self._copier(region.kind)
-            if region.kind == "cuda":
-                staging.pointer_device(region.pointer, region.length)  # freed by its owner?
+            # the device holding the region (which raises if its owner freed it)
+            device = staging.pointer_device(region.pointer, region.length) if region.kind == "cuda" else None
+            copier = self._copier(device)
             region.state.in_use += 1
             try:
                 copier.start(lane.number, pool.pointer + lane.number * pool.chunk_bytes, region.pointer, copies)

@@ -1,10 +1,17 @@
 """The writer half of ``fabriclab.landing``: transfers into peers' staged targets, run on the landing thread.
 A job asks the target for lanes, writes a lane's worth of pages into each lane granted (through the engine's
 NICs), says what it wrote where (FILLED), and resolves its caller's transfer once the target copied every
-lane; it gives back what it no longer needs, and fails rather than write into lanes it may have lost."""
+lane; it gives back what it no longer needs, and fails rather than write into lanes it may have lost.
+
+A job writes into at most WRITE_AHEAD lanes at once, in order, and the next granted lane as soon as one is
+filled: the engine spreads every posted write over its NICs, so lanes posted all at once would all finish
+together at the end, and the target could copy none of them while the others are written. A few at a time,
+each lane is filled (and copied by the target) while the next are written: the slowest step sets the pace."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +24,7 @@ from .control import BadMessage
 from .transfer import Transfer
 
 ENDED_JOBS = 4096   # finished jobs a writer remembers, to give back lanes granted to them late
+WRITE_AHEAD = 4     # lanes a job writes into at once (see above): enough to keep the NICs and the stager busy
 
 
 @dataclass(eq=False)  # identity: queues remove it, and numpy fields cannot be compared
@@ -45,6 +53,7 @@ class LandingJob:
     target: int = -1        # the target's control fi_addr
     number: int = 0
     splits: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)  # writes per lane
+    granted: collections.deque[int] = field(default_factory=collections.deque)  # lanes held, not written yet
     in_flight: dict[int, list[Any]] = field(default_factory=dict)  # lane -> [first, end, Transfer, filled]
     posted: list[Transfer] = field(default_factory=list)  # every Transfer it posted (for buffer safety)
     error: BaseException | bool | None = None  # False once resolved
@@ -73,8 +82,9 @@ class LandingWriter:
     exception."""
 
     def __init__(self, channel: control.ControlChannel, engine_id: int, count_peer: Callable[[int, int], None],
-                 failure_type: Callable[..., BaseException]) -> None:
+                 failure_type: Callable[..., BaseException], wake: threading.Event) -> None:
         self.channel, self.engine_id, self._count_peer, self.failure_type = channel, engine_id, count_peer, failure_type
+        self.wake = wake
         self.jobs: dict[int, LandingJob] = {}
         self.unsafe: list[LandingJob] = []  # failed jobs whose writes the provider has not all reported
         self.releasing: list[tuple[int, int, int, Transfer]] = []  # (target, job, lane, Transfer) once safe
@@ -133,17 +143,38 @@ class LandingWriter:
     def granted(self, target: int, number: int, lanes: list[int]) -> None:
         job = self._job(target, number)
         if job is not None:
-            wrong = [lane for lane in lanes if lane >= job.lanes or lane in job.in_flight]
+            wrong = [lane for lane in lanes if lane >= job.lanes or lane in job.in_flight or lane in job.granted]
             if wrong:
                 raise BadMessage(f"GRANT of lane {wrong[0]}: the target has {job.lanes} lanes, and the job holds "
-                                 f"{sorted(job.in_flight)}")
+                                 f"{sorted(job.in_flight) + sorted(job.granted)}")
         for lane in lanes:
-            if job is None or not job.splits:  # the job ended (failed, or needs no more lanes): give it back
+            if job is None or len(job.granted) >= len(job.splits):  # the job ended, or needs no more lanes
                 dest = job.target if job is not None else self.ended.get(number)
                 if dest is not None:  # else a job long gone: its lease runs out at the target
-                    self.channel.send(dest, control.HEAD.pack(control.RELEASE, self.engine_id, number)
-                                      + control.LANE.pack(lane))
+                    self._release(dest, number, lane)
                 continue
+            job.granted.append(lane)
+
+    def _wake(self, _: Any) -> None:
+        self.wake.set()
+
+    def _release(self, dest: int, number: int, lane: int) -> None:
+        self.channel.send(dest, control.HEAD.pack(control.RELEASE, self.engine_id, number) + control.LANE.pack(lane))
+
+    def write(self) -> bool:
+        """Write the next lanes' pages into the lanes granted, while a job writes into fewer than WRITE_AHEAD:
+        after ``work`` (its FILLED on their way first). Whether it wrote any."""
+        wrote = False
+        for job in list(self.jobs.values()):
+            writing = sum(not entry[3] for entry in job.in_flight.values())
+            if job.granted and writing < WRITE_AHEAD:
+                self._write_granted(job, WRITE_AHEAD - writing)
+                wrote = True
+        return wrote
+
+    def _write_granted(self, job: LandingJob, lanes: int) -> None:
+        for _ in range(min(lanes, len(job.granted))):
+            lane = job.granted.popleft()
             first, end = job.splits.popleft()
             lengths = job.lengths[first:end]
             offsets = lane * job.lane_bytes + np.concatenate(([0], np.cumsum(lengths[:-1].astype(np.int64))))
@@ -151,12 +182,14 @@ class LandingWriter:
                 sent = job.post(job.src[first:end], offsets, lengths, _native.lane_imm(lane),
                                 max(job.deadline - time.monotonic(), 1e-3))
             except fi.FabriclabError as exc:
-                self._to_target(job, control.RELEASE, control.LANE.pack(lane))
+                self._release(job.target, job.number, lane)
                 self._fail(job, None, "engine", cause=exc)
-                job = None
-                continue
+                return
             job.posted.append(sent)
             job.in_flight[lane] = [first, end, sent, False]
+            # its FILLED goes as soon as the writes are done: the thread that resolves them wakes this one
+            # (the base class's callbacks run there, AwaitableFuture's on a thread of their own)
+            concurrent.futures.Future.add_done_callback(sent, self._wake)
 
     def copied(self, target: int, number: int, lane: int) -> None:
         job = self._job(target, number)
@@ -209,8 +242,7 @@ class LandingWriter:
         still = []
         for target, number, lane, sent in self.releasing:
             if sent._safety.safe:
-                self.channel.send(target, control.HEAD.pack(control.RELEASE, self.engine_id, number)
-                                  + control.LANE.pack(lane))
+                self._release(target, number, lane)
                 busy = True
             else:
                 still.append((target, number, lane, sent))
@@ -239,6 +271,9 @@ class LandingWriter:
         safe = all(sent.done() and sent._safety.safe for sent in job.posted)
         job.error = self.failure_type(message or str(cause), safe, why, cause)
         job.splits.clear()
+        for lane in job.granted:  # nothing written into it: back at once
+            self._release(job.target, job.number, lane)
+        job.granted.clear()
         for lane, (_, _, sent, filled) in list(job.in_flight.items()):
             if not filled:
                 self.releasing.append((job.target, job.number, lane, sent))

@@ -3,13 +3,17 @@ checked against the region and the lane, as copies; and the copiers that make th
 memory, the tests' switch) or cuMemcpyHtoDAsync (GPU memory). The copiers add checked offsets only."""
 from __future__ import annotations
 
+import collections
 import ctypes
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import gpu, staging
+from ._native import WORKER_EXIT_TIMEOUT
 from .control import BadMessage
 
 if TYPE_CHECKING:
@@ -44,33 +48,67 @@ def checked_copies(entries: np.ndarray, region: TargetRegion, lane_bytes: int) -
 
 class HostCopier:
     """Copies landed pages with memmove: host-memory staged targets (a private switch the tests use to run
-    the whole protocol without a GPU; see Engine._register_staged_host)."""
+    the whole protocol without a GPU; see Engine._register_staged_host). As CudaCopier's copies run on
+    the GPU's copy engines, these run on a thread of their own, in the order started: the landing thread
+    goes on serving (granting, reading FILLED, answering) while a lane is copied; ``copied()``, if given, is
+    called (on the copying thread) after each lane."""
 
-    def __init__(self) -> None:
+    def __init__(self, copied: Callable[[], object] | None = None) -> None:
         self.seconds = 0.0
+        self.on_copied = copied
+        self.cond = threading.Condition()
+        self.waiting: collections.deque[tuple[int, int, int, Copies]] = collections.deque()
+        self.copied: set[int] = set()
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="fabriclab-landing-copy", daemon=True)
+        self.thread.start()
 
     def start(self, lane: int, source: int, destination: int, copies: Copies) -> None:
         """Copy ``copies`` (checked_copies: offsets inside the lane and the region) from the lane at
         ``source`` to the region at ``destination``."""
-        started = time.perf_counter()
-        for src, dst, length in zip(*copies):
-            ctypes.memmove(destination + int(dst), source + int(src), int(length))
-        self.seconds += time.perf_counter() - started
+        with self.cond:
+            self.copied.discard(lane)
+            self.waiting.append((lane, source, destination, copies))
+            self.cond.notify()
 
     def finished(self, lane: int) -> bool:
-        return True
+        with self.cond:
+            return lane in self.copied
 
     def close(self) -> None:
-        pass
+        """Once the copies started are done (they write into regions kept in use until they finish)."""
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(WORKER_EXIT_TIMEOUT)  # memmoves of at most a pool's bytes: done long before
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.waiting and not self.closed:
+                    self.cond.wait()
+                if not self.waiting:
+                    return
+                lane, source, destination, copies = self.waiting.popleft()
+            started = time.perf_counter()
+            for src, dst, length in zip(*(part.tolist() for part in copies)):
+                ctypes.memmove(destination + dst, source + src, length)
+            with self.cond:
+                self.seconds += time.perf_counter() - started
+                self.copied.add(lane)
+            if self.on_copied is not None:
+                self.on_copied()
 
 
 class CudaCopier:
-    """Copies landed pages host → GPU with cuMemcpyHtoDAsync, one CUDA stream per lane modulo
-    staging.COPY_STREAMS, an event per lane saying when its copies are done."""
+    """Copies landed pages host → GPU ``device`` with cuMemcpyHtoDAsync, in that device's primary context (the
+    lanes are portable pinned memory: any device reads them), one CUDA stream per lane modulo
+    staging.COPY_STREAMS, an event per lane saying when its copies are done. A lane's pages were joined
+    where they continue each other (lane_copies): one copy call per run, not per page."""
 
-    def __init__(self, lanes: int) -> None:
+    def __init__(self, lanes: int, device: int) -> None:
         d = self.driver = gpu.require_cuda()
-        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(0), "cuDeviceGet")),
+        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(device), "cuDeviceGet")),
                                "cuDevicePrimaryCtxRetain")
         gpu.check(d.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
         self.streams = [gpu.check(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(staging.COPY_STREAMS)]
@@ -85,9 +123,8 @@ class CudaCopier:
         stream = self.streams[lane % len(self.streams)]
         gpu.check(d.cuEventRecord(self.started[lane], stream), "cuEventRecord")
         try:
-            for src, dst, length in zip(*copies):
-                gpu.check(d.cuMemcpyHtoDAsync(destination + int(dst), source + int(src), int(length), stream),
-                        "cuMemcpyHtoDAsync")
+            for src, dst, length in zip(*(part.tolist() for part in copies)):
+                gpu.check(d.cuMemcpyHtoDAsync(destination + dst, source + src, length, stream), "cuMemcpyHtoDAsync")
             gpu.check(d.cuEventRecord(self.copied[lane], stream), "cuEventRecord")
         except gpu.CudaError:
             d.cuStreamSynchronize(stream)  # nothing of ours may still read the lane
