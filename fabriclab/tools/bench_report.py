@@ -149,9 +149,12 @@ def format_api(r: dict) -> str:
                                                             for n, us in r["us_per_call"].items()),
              _describe_api_layout(r["layout"])]
     if r["memory"] == "cuda":
-        for side in ("source", "target", "writes"):
+        for side in ("source", "target"):
             path = r[side]
             lines.append(f"Engine {side} region: {path['path']}" + (f" ({path['why']})" if path["why"] else ""))
+        writes = r["writes"]
+        lines.append(f"Engine writes went: {writes['path']}" + (f" (not cuda-ipc: {writes['why']})" if writes["why"]
+                                                                  else ""))
         lines.append(f"stage-15 path memory: {r['raw_memory']}")
         for side, staging in (("source", r["staging"]), ("target", r["target_staging"])):
             lines.append(f"staging on the {side} side: {describe_staging(staging)}")
