@@ -227,6 +227,8 @@ def prefill(args) -> int:
             plan = {"imm": args.imm, "rounds": args.rounds}
             address, descriptor = bootstrap.unpack(rendezvous.exchange(json.dumps(plan).encode()))
             peer = engine.connect(address)
+            route, why = peer.route(region, descriptor)
+            print(f"[prefill] writes go {route}" + (f" (not cuda-ipc: {why})" if why else ""), flush=True)
             rates = []
             for r in range(args.rounds):
                 done = peer.write_pages(region, pages(src, args), descriptor, pages(dst, args), args.block_bytes,
