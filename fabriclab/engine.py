@@ -76,7 +76,6 @@ class Region:
         #: why the region is not offered to CUDA IPC peers ("" where it is, or is not GPU memory)
         self.ipc_why = ""
         self._ipc: IpcRoute | None = None  # its descriptor's CUDA IPC section, once made (fabriclab.ipc)
-        self._gate_slot: int | None = None
         self._keep = view
         self.path, self.why = "host" if self.kind == "host" else "cuda-direct", ""
         access = fi.ACCESS_SOURCE if self.readonly else fi.ACCESS_ALL  # read-only: a source only

@@ -17,6 +17,7 @@ no route uses them; a closed peer region or a peer process found gone drops its 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 import time
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from .service import Service
 
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+log = logging.getLogger("fabriclab")
 _MAPPINGS: dict[tuple[int, bytes], list[int]] = {}  # (device, handle) -> [base, routes using it]
 _MAPPINGS_LOCK = threading.Lock()
 
@@ -120,6 +122,7 @@ class IpcPath:
         self.enabled = service.config.gpu_ipc
         self.lock = threading.Lock()
         self.gates: ipc.Gates | None = None
+        self.offered: dict[int, int] = {}  # region id -> its gate slot, while open
         self.copied_in = ipc.CopiedIn(service.native)
         self.routes: dict[tuple[int, int, int], _Route | str] = {}
         self.gate_files: dict[tuple[int, int, int], _native.GateSlots] = {}
@@ -153,16 +156,19 @@ class IpcPath:
         region._ipc = IpcRoute(export.handle, export.offset, export.alloc_bytes, export.device_uuid, os.getpid(),
                                gates.fd, gates.token, slot, region._landing_key, lander.channel.message_bytes,
                                lander.address)
-        region._gate_slot = slot
+        with self.lock:
+            self.offered[region.id] = slot
         return region._ipc
 
     def withdraw(self, region: Region, timeout: float) -> bool:
         """Region ``region`` closes: its gate shuts, and writers inside are waited for (up to ``timeout``).
         False if some stayed inside (a writer that died mid-copy): its memory must then stay referenced."""
         self.copied_in.remove(region.id)
-        if region._gate_slot is None or self.gates is None:
+        with self.lock:
+            slot = self.offered.pop(region.id, None)
+        if slot is None or self.gates is None:
             return True
-        return self.gates.shut(region._gate_slot, timeout)
+        return self.gates.shut(slot, timeout)
 
     # ------------------------------------------------------------------------------- writer half
 
@@ -338,8 +344,16 @@ class IpcPath:
                 **self.copied_in.stats(), "regions_held_by_dead_writers": self.gates.held if self.gates else 0}
 
     def close(self) -> None:
-        """The engine closes: copies in flight are waited for (a copy cannot be called back), then the
-        routes, copiers and gates go."""
+        """The engine closes: the gates of the regions it offered shut (writers inside are waited for, a
+        while: their memory goes back to its owner once the engine is gone), its own copies in flight are
+        waited for (a copy cannot be called back), then the routes, copiers and gates go."""
+        with self.lock:
+            offered, self.offered = list(self.offered.values()), {}
+        deadline = time.monotonic() + _native.WORKER_EXIT_TIMEOUT
+        if self.gates is not None and not all([self.gates.shut(slot, max(deadline - time.monotonic(), 0.0))
+                                               for slot in offered]):
+            log.warning("the engine closed with a CUDA IPC writer still copying into one of its regions (a writer "
+                        "stopped or killed mid-copy): keep that memory until the writer is gone")
         with self.lock:
             self.closed = True
             self.wakeup.notify()

@@ -6,7 +6,7 @@ prints the packed (address, descriptor) as one hex line, then answers commands, 
 "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (of the region's bytes) or "timeout"; "close-region"
 (closes the region, frees its allocation and empties torch's cache, then fills a new allocation of the
 same size with 7s) -> "closed"; "filler" -> "filler-ok" or "filler-bad" (whether that allocation still
-holds only 7s); "offered" -> "True"/"False" and the reason where not. --chunk sets the staging chunk (a landing lane), with 16
+holds only 7s); "close-engine" -> "engine-closed" (the process and its memory stay); "offered" -> "True"/"False" and the reason where not. --chunk sets the staging chunk (a landing lane), with 16
 lanes."""
 import hashlib
 import sys
@@ -45,5 +45,8 @@ with Engine("shm", pin=False, timeout=10, gpu_ipc="--no-ipc" not in sys.argv[3:]
         elif words[0] == "filler":
             torch.cuda.synchronize()
             print("filler-ok" if bool((filler == 7).all()) else "filler-bad", flush=True)
+        elif words[0] == "close-engine":
+            engine.close()
+            print("engine-closed", flush=True)
         elif words[0] == "offered":
             print(region.ipc_offered, region.ipc_why, flush=True)

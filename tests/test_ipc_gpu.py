@@ -65,6 +65,22 @@ def test_two_processes_copy_through_cuda_ipc_byte_exact(writer, pages, page, per
         assert result.writes == pages  # one copy a page, all in one launch
 
 
+def test_byte_ranges_with_stripes_through_cuda_ipc(writer):
+    """Peer.write: a byte range at odd offsets, cut in stripes (the last shorter), counted per stripe."""
+    nbytes = 8 * MiB + 12345
+    with Target(16 * MiB) as target:
+        source = source_pages(13, nbytes)
+        region = writer.register(source)
+        peer = writer.connect(target.address)
+        result = peer.write(region, target.descriptor, src_offset=3, dst_offset=5, length=nbytes - 3,
+                            stripe_bytes=MiB, imm=8).result(30)
+        assert result.writes == -(-(nbytes - 3) // MiB) and result.bytes == nbytes - 3
+        expected = np.zeros(16 * MiB, np.uint8)
+        expected[5:5 + nbytes - 3] = source.cpu().numpy()[3:]
+        digest = hashlib.sha256(expected).hexdigest()
+        assert target.ask(f"expect 8 {result.writes} 20") == f"landed {result.writes} sha256={digest}"
+
+
 def test_engines_of_one_process_copy_directly(writer):
     n, page = 256, 64 * KiB
     with Engine("shm", pin=False, timeout=10) as target_engine:
@@ -134,6 +150,18 @@ def test_a_closed_and_freed_target_refuses_writes_typed(writer):
             peer.write_pages(region, np.arange(n), target.descriptor, np.arange(n), page).result(30)
         assert closed.value.buffer_safe
         assert target.ask("filler") == "filler-ok"  # the memory handed on was never written
+
+
+def test_a_closed_target_engine_shuts_its_regions(writer):
+    """The target's engine closes (its process and memory stay): later copies into its regions are refused."""
+    n, page = 16, 64 * KiB
+    with Target(n * page) as target:
+        region = writer.register(source_pages(12, n * page))
+        peer = writer.connect(target.address)
+        peer.write_pages(region, np.arange(n), target.descriptor, np.arange(n), page).result(30)
+        assert target.ask("close-engine", timeout=30) == "engine-closed"
+        with pytest.raises(RegionClosed):
+            peer.write_pages(region, np.arange(n), target.descriptor, np.arange(n), page).result(30)
 
 
 def test_a_target_killed_mid_transfer_fails_typed(writer):
