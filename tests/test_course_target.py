@@ -88,6 +88,9 @@ def test_the_target_runs_one_thread_whatever_the_writer_has(fabric):
         with threaded.ThreadedWriter(stack, server.address_hex, 10, domains=fabric[1], nics=2 * threads,
                                      threads=threads, pin=False) as writer:
             writer.prepare(rdma_write.PagePlan.for_total(4096, 1 << 20))
+            deadline = time.monotonic() + 5  # the thread names itself once running (native/course.c)
+            while target_threads(server) != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert target_threads(server) == 1
             writer.transfer()
             assert writer.finish().verified is True
