@@ -100,6 +100,12 @@ class Region:
         self._nic_order = (np.asarray(self.nic_slots, dtype=np.uint16)
                            if len(self.nic_slots) < len(service.nics.slots) else None)
 
+    @classmethod
+    def _of(cls, remote: PeerRegion) -> Region | None:
+        """The region a peer's descriptor names, where its engine runs in this process (else None)."""
+        target = cls._live.get(remote.region_id)
+        return target if target is not None and target.engine.id == remote.engine_id else None
+
     @property
     def staged(self) -> bool:
         """Whether transfers from this region go through the staging pool (``path == "cuda-staged"``)."""
@@ -189,8 +195,8 @@ def _refuse_overlap(local: Region, remote: PeerRegion, src: np.ndarray, dst: np.
     run of pages is one copy), so what landed would depend on timing — pages 0..7 onto 1..8 of one region
     landed page 0 in all nine. ``src``, ``dst``: first pages (``pages``) or first bytes of ``size``-byte pieces.
     Only this process's memory can be seen: the peer is this engine (loopback) or another engine here."""
-    target = Region._live.get(remote.region_id)
-    if target is None or target.engine.id != remote.engine_id or target.kind != local.kind:
+    target = Region._of(remote)
+    if target is None or target.kind != local.kind:
         return
     scale = size if pages else 1
     pair = first_overlap(local.pointer + src * scale, target.pointer + dst * scale, size)

@@ -71,6 +71,27 @@ def require_cuda() -> Any:
     return _driver()
 
 
+_PRIMARY: dict[int, Any] = {}  # device -> its primary context, retained once
+
+
+def primary_context(device: int, current: bool = True) -> Any:
+    """The primary context of CUDA ``device`` (torch's and cupy's), retained once for the life of the process
+    (never released: the allocations and streams made in it live as long), and made current on the calling
+    thread unless ``current`` is False. UsageError for a device that does not exist."""
+    d = require_cuda()
+    context = _PRIMARY.get(device)
+    if context is None:
+        count = check(d.cuDeviceGetCount(), "cuDeviceGetCount")
+        if not 0 <= device < count:
+            raise UsageError(f"CUDA device {device} does not exist (this machine has {count})")
+        context = _PRIMARY.setdefault(device, check(d.cuDevicePrimaryCtxRetain(check(d.cuDeviceGet(device),
+                                                                                     "cuDeviceGet")),
+                                                    "cuDevicePrimaryCtxRetain"))
+    if current:
+        check(d.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    return context
+
+
 def devices() -> list[GpuDevice]:
     """The CUDA GPUs of this machine (none without cuda-python or a driver)."""
     if cuda_status() != "ok":

@@ -145,10 +145,8 @@ class Copier:
     def __init__(self, device: int) -> None:
         d = self.driver = gpu.require_cuda()
         self.device = device
-        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(device), "cuDeviceGet")),
-                                 "cuDevicePrimaryCtxRetain")
+        self.context = gpu.primary_context(device)
         self.lock = threading.Lock()
-        self._current()
         self.module = gpu.check(d.cuModuleLoadData(_PTX.encode() + b"\0"), "cuModuleLoadData(copy kernel)")
         self.kernel = gpu.check(d.cuModuleGetFunction(self.module, b"fl_copy_table"), "cuModuleGetFunction")
         sms = gpu.check(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -261,4 +259,3 @@ class Copier:
             for event in self.spare_events + [launch.event for launch in self.last if launch is not None]:
                 d.cuEventDestroy(event)
             d.cuModuleUnload(self.module)
-            d.cuDevicePrimaryCtxRelease(gpu.check(d.cuDeviceGet(self.device), "cuDeviceGet"))

@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import _native, gpu
+from . import _native, fi, gpu
 from .completions import RegionState
 from .control import BadMessage
 
@@ -45,33 +45,25 @@ _CU_IPC_HANDLE_BYTES = 64
 
 @dataclass(frozen=True)
 class Export:
-    """What CUDA IPC needs of a GPU region: its allocation's handle, its offset there, the allocation's size
-    and the device's UUID."""
+    """What CUDA IPC needs of a GPU region: its allocation's handle, its offset there, the allocation's size."""
     handle: bytes
     offset: int
     alloc_bytes: int
-    device_uuid: bytes
 
 
 def export(pointer: int, length: int, device: int) -> Export:
     """The CUDA IPC export of ``[pointer, pointer + length)`` on ``device``; CudaError saying why not (memory
     from cuMemCreate/VMM, such as torch's expandable segments, or managed memory, has no legacy IPC handle)."""
     d = gpu.require_cuda()
-    context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(device), "cuDeviceGet")),
-                        "cuDevicePrimaryCtxRetain")
-    try:
-        gpu.check(d.cuCtxSetCurrent(context), "cuCtxSetCurrent")
-        base, size = gpu.check(d.cuMemGetAddressRange(pointer), "cuMemGetAddressRange")
-        handle = gpu.check(d.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
-        uuid = gpu.check(d.cuDeviceGetUuid(gpu.check(d.cuDeviceGet(device), "cuDeviceGet")), "cuDeviceGetUuid")
-    finally:
-        d.cuDevicePrimaryCtxRelease(gpu.check(d.cuDeviceGet(device), "cuDeviceGet"))
+    gpu.primary_context(device)
+    base, size = gpu.check(d.cuMemGetAddressRange(pointer), "cuMemGetAddressRange")
+    handle = gpu.check(d.cuIpcGetMemHandle(base), "cuIpcGetMemHandle")
     raw = bytes(handle.reserved)
     assert len(raw) == _CU_IPC_HANDLE_BYTES, "CUipcMemHandle is 64 bytes"
     offset = pointer - int(base)
     if offset + length > int(size):
         raise gpu.CudaError(f"the region ({length} bytes) runs past its CUDA allocation")
-    return Export(raw, offset, int(size), bytes(uuid.bytes))
+    return Export(raw, offset, int(size))
 
 
 class Gates:
@@ -98,7 +90,7 @@ class Gates:
         """A slot for a region of ``key``, its gate open; UsageError once GATE_SLOTS regions are exported."""
         with self.lock:
             if not self.free:
-                raise gpu.CudaError(f"this engine already offers {GATE_SLOTS - 1} GPU regions to CUDA IPC peers")
+                raise fi.UsageError(f"this engine already offers {GATE_SLOTS - 1} GPU regions to CUDA IPC peers")
             slot = self.free.popleft()
         self.slots.open(slot, key)
         return slot
@@ -154,7 +146,7 @@ class CopiedIn:
         self.native = native
         self.lock = threading.Lock()
         self.regions: dict[int, ExportedRegion] = {}
-        self.pages = self.bytes = self.messages = self.lost = 0
+        self.pages = self.bytes = self.messages = 0
 
     def add(self, region_id: int, key: int, state: RegionState) -> None:
         with self.lock:
@@ -172,8 +164,8 @@ class CopiedIn:
             raise BadMessage(f"COPIED_IN for region {region_id}, which offers no CUDA IPC (closed, or never)")
         if key != region.key:
             raise BadMessage(f"COPIED_IN for region {region_id} with a key that is not its descriptor's")
-        if imm != _native.NO_IMM and self.native.credit_immediates(imm, pages) != _native.IMM_OK:
-            self.lost += pages  # the count is full: imm is marked lost, its next expect() says so
+        if imm != _native.NO_IMM:
+            self.native.credit_immediates(imm, pages)  # a full count marks imm lost: its next expect() says so
         self.messages += 1
         self.pages += pages
         self.bytes += nbytes

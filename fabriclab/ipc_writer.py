@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -50,9 +51,7 @@ def _map(device: int, handle: bytes) -> int:
         known = _MAPPINGS.get((device, handle))
         if known is None:
             d = gpu.require_cuda()
-            context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(device), "cuDeviceGet")),
-                                "cuDevicePrimaryCtxRetain")
-            gpu.check(d.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+            gpu.primary_context(device)
             raw = d.CUipcMemHandle()
             raw.reserved = handle
             base = gpu.check(d.cuIpcOpenMemHandle(raw, _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS), "cuIpcOpenMemHandle")
@@ -153,9 +152,8 @@ class IpcPath:
             region.ipc_why = f"not offered to CUDA IPC peers: {exc}"
             return None
         self.copied_in.add(region.id, region._landing_key, region._state)
-        region._ipc = IpcRoute(export.handle, export.offset, export.alloc_bytes, export.device_uuid, os.getpid(),
-                               gates.fd, gates.token, slot, region._landing_key, lander.channel.message_bytes,
-                               lander.address)
+        region._ipc = IpcRoute(export.handle, export.offset, export.alloc_bytes, os.getpid(), gates.fd, gates.token,
+                               slot, region._landing_key, lander.address)
         with self.lock:
             self.offered[region.id] = slot
         return region._ipc
@@ -209,7 +207,8 @@ class IpcPath:
         except (OSError, ValueError) as exc:
             return f"the peer's gate cannot be opened from here (another pid namespace or container?): {exc}"
         if process is None:
-            target = _live_region(remote)
+            from .engine import Region  # the front, above this module: asked here only
+            target = Region._of(remote)
             if target is None:
                 return "the peer region is not in this process any more"
             return _Route(local.device, target.pointer, gates, offered.gate_slot, offered.key, offered.address,
@@ -256,7 +255,7 @@ class IpcPath:
         if imm != _native.NO_IMM:
             service.start_landing()  # the control channel its COPIED_IN leaves through
         message = None if imm == _native.NO_IMM else control.copied_in(
-            service.engine_id, transfer_job(), remote.region_id, route.key, imm, pages, transfer.bytes)
+            service.engine_id, secrets.randbits(64) | 1, remote.region_id, route.key, imm, pages, transfer.bytes)
         item = _Copy(launch, copier, route, transfer, finisher(service, transfer, state, True), message)
         transfer._finish_here = lambda: self._finish(item)
         with self.lock:
@@ -367,15 +366,3 @@ class IpcPath:
             self.copiers.clear()
         if self.gates is not None:
             self.gates.close()
-
-
-def transfer_job() -> int:
-    """A COPIED_IN's job number: any nonzero 64-bit value (no reply refers to it)."""
-    return int.from_bytes(os.urandom(8), "little") | 1
-
-
-def _live_region(remote: PeerRegion) -> Any:
-    """The peer region, where its engine runs in this process."""
-    from .engine import Region
-    target = Region._live.get(remote.region_id)
-    return target if target is not None and target.engine.id == remote.engine_id else None

@@ -108,9 +108,7 @@ class CudaCopier:
 
     def __init__(self, lanes: int, device: int) -> None:
         d = self.driver = gpu.require_cuda()
-        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(gpu.check(d.cuDeviceGet(device), "cuDeviceGet")),
-                               "cuDevicePrimaryCtxRetain")
-        gpu.check(d.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self.context = gpu.primary_context(device)
         self.streams = [gpu.check(d.cuStreamCreate(1), "cuStreamCreate") for _ in range(staging.COPY_STREAMS)]
         self.started = [gpu.check(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]
         self.copied = [gpu.check(d.cuEventCreate(0), "cuEventCreate") for _ in range(lanes)]

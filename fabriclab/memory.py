@@ -54,13 +54,8 @@ class _Cuda:
 
     def __init__(self, device: int):
         self.driver = gpu.require_cuda()
-        d = self.driver
-        count = gpu.check(d.cuDeviceGetCount(), "cuDeviceGetCount")
-        if not 0 <= device < count:
-            raise fi.UsageError(f"CUDA device {device} does not exist (this machine has {count})")
-        self.device = gpu.check(d.cuDeviceGet(device), "cuDeviceGet")
-        self.context = gpu.check(d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
-        self.make_current()
+        self.context = gpu.primary_context(device)
+        self.device = gpu.check(self.driver.cuDeviceGet(device), "cuDeviceGet")
 
     def make_current(self) -> None:
         gpu.check(self.driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")

@@ -166,9 +166,7 @@ class PinnedPool:
             return
         driver = gpu.require_cuda()
         self.driver = driver
-        self.context = gpu.check(driver.cuDevicePrimaryCtxRetain(gpu.check(driver.cuDeviceGet(0), "cuDeviceGet")),
-                               "cuDevicePrimaryCtxRetain")
-        gpu.check(driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
+        self.context = gpu.primary_context(0)
         self.pointer = int(gpu.check(driver.cuMemHostAlloc(self.length, _CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc"))
         self.array = np.ctypeslib.as_array((ctypes.c_uint8 * self.length).from_address(self.pointer))
 

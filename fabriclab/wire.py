@@ -34,9 +34,9 @@ _SIZE = struct.Struct("<H")  # a NIC address's length
 _PROCESS = struct.Struct("<QIQ")  # the engine's process: pid namespace inode, pid, start ticks (shmclean)
 # lanes' region id, their length, lane bytes, message bytes, the region's key, address length
 _LANDING_TAIL = struct.Struct("<IQIIQH")
-# CUDA IPC: marker, allocation handle, region offset in it, allocation bytes, device UUID, gate (pid, fd, token,
-# slot), region key, message bytes, control address length (the address follows)
-_IPC = struct.Struct("<4s64sQQ16sIIQIQIH")
+# CUDA IPC: marker, allocation handle, region offset in it, allocation bytes, gate (pid, fd, token, slot), region
+# key, control address length (the address follows)
+_IPC = struct.Struct("<4s64sQQIIQIQH")
 _IPC_MARK = b"IPC1"
 
 
@@ -124,27 +124,24 @@ class LandingRoute:
 class IpcRoute:
     """How a writer on the target's host copies into a GPU region with its own GPU (``fabriclab.ipc``): the
     CUDA IPC handle of the allocation holding the region, the region's offset in it and the allocation's
-    size, the device's UUID, the gate (the target process's pid, the fd of its gate memory there, that
-    memory's token, the region's slot), the region's key, and the control endpoint that counts the pages
-    (``address``, taking messages of ``message_bytes``)."""
+    size, the gate (the target process's pid, the fd of its gate memory there, that memory's token, the
+    region's slot), the region's key, and the control endpoint that counts the pages (``address``)."""
     handle: bytes
     offset: int
     alloc_bytes: int
-    device_uuid: bytes
     gate_pid: int
     gate_fd: int
     gate_token: int
     gate_slot: int
     key: int
-    message_bytes: int
     address: bytes
 
 
 def _encode_ipc(ipc: IpcRoute | None) -> bytes:
     if ipc is None:
         return b""
-    return _IPC.pack(_IPC_MARK, ipc.handle, ipc.offset, ipc.alloc_bytes, ipc.device_uuid, ipc.gate_pid, ipc.gate_fd,
-                     ipc.gate_token, ipc.gate_slot, ipc.key, ipc.message_bytes, len(ipc.address)) + ipc.address
+    return _IPC.pack(_IPC_MARK, ipc.handle, ipc.offset, ipc.alloc_bytes, ipc.gate_pid, ipc.gate_fd, ipc.gate_token,
+                     ipc.gate_slot, ipc.key, len(ipc.address)) + ipc.address
 
 
 def _decode_ipc(section: bytes, length: int) -> IpcRoute | None:
@@ -153,16 +150,15 @@ def _decode_ipc(section: bytes, length: int) -> IpcRoute | None:
         return None
     if len(section) < _IPC.size or section[:4] != _IPC_MARK:
         raise InvalidDescriptor("region descriptor has trailing bytes that are no CUDA IPC section")
-    (_, handle, offset, alloc_bytes, uuid, gate_pid, gate_fd, gate_token, gate_slot, key, message_bytes,
-     size) = _IPC.unpack_from(section)
-    route = IpcRoute(handle, offset, alloc_bytes, uuid, gate_pid, gate_fd, gate_token, gate_slot, key, message_bytes,
-                     section[_IPC.size:])
+    _, *fields, size = _IPC.unpack_from(section)
+    handle, offset, alloc_bytes, gate_pid, gate_fd, gate_token, gate_slot, key = fields
+    route = IpcRoute(handle, offset, alloc_bytes, gate_pid, gate_fd, gate_token, gate_slot, key, section[_IPC.size:])
     if len(route.address) != size or not size:
         raise InvalidDescriptor("the CUDA IPC section of the region descriptor is truncated")
-    if route.offset + length > route.alloc_bytes or route.offset > route.alloc_bytes:
+    if route.offset + length > route.alloc_bytes:
         raise InvalidDescriptor(f"the CUDA IPC section puts the region ({length} bytes at offset {route.offset}) "
                                 f"outside its allocation of {route.alloc_bytes} bytes")
-    if not route.gate_slot or route.message_bytes < 64:
+    if not route.gate_slot:
         raise InvalidDescriptor("the CUDA IPC section of the region descriptor is malformed")
     return route
 
