@@ -18,8 +18,8 @@ from fabriclab import Engine, InvalidDescriptor, _native, control, ipc, wire
 from fabriclab.completions import RegionState
 from fabriclab.control import BadMessage
 
-ROUTE = wire.IpcRoute(handle=bytes(range(64)), offset=4096, alloc_bytes=1 << 20, device_uuid=b"u" * 16, gate_pid=1234,
-                      gate_fd=7, gate_token=99, gate_slot=3, key=0xABC, message_bytes=65536, address=b"addr" * 8)
+ROUTE = wire.IpcRoute(handle=bytes(range(64)), offset=4096, alloc_bytes=1 << 20, gate_pid=1234, gate_fd=7,
+                      gate_token=99, gate_slot=3, key=0xABC, address=b"addr" * 8)
 
 
 def test_descriptors_carry_the_ipc_section_both_kinds():
@@ -74,63 +74,59 @@ else:              # enter and leave in a loop, as copies do, until shut out
 """
 
 
+@pytest.fixture
+def gates():
+    """The gate slots of an engine of id 1, closed after the test."""
+    made = ipc.Gates(1)
+    yield made
+    made.close()
+
+
 def writer(gates, slot, key, mode, engine=1):
     return subprocess.Popen([sys.executable, "-c", WRITER, str(os.getpid()), str(gates.fd), str(gates.token),
                              str(engine), str(slot), str(key), str(mode)], stdout=subprocess.PIPE, text=True)
 
 
-def test_gate_shut_waits_for_a_writer_inside_and_holds_a_dead_ones_slot():
-    gates = ipc.Gates(1)
-    try:
-        slot = gates.take(42)
-        child = writer(gates, slot, 42, 0)
-        assert child.stdout.readline().strip() == "open"
-        assert child.stdout.readline().strip() == "inside"
-        assert gates.slots.inside(slot) == 1
-        started = time.monotonic()
-        assert not gates.shut(slot, 0.3)  # still inside: the slot is held, never given to another region
-        assert time.monotonic() - started >= 0.3
-        assert gates.held == 1 and slot not in gates.free
-        child.send_signal(signal.SIGKILL)
-        child.wait(10)
-        assert not gates.slots.enter(slot, 42)  # shut stays shut
-    finally:
-        gates.close()
+def test_gate_shut_waits_for_a_writer_inside_and_holds_a_dead_ones_slot(gates):
+    slot = gates.take(42)
+    child = writer(gates, slot, 42, 0)
+    assert child.stdout.readline().strip() == "open"
+    assert child.stdout.readline().strip() == "inside"
+    assert gates.slots.inside(slot) == 1
+    started = time.monotonic()
+    assert not gates.shut(slot, 0.3)  # still inside: the slot is held, never given to another region
+    assert time.monotonic() - started >= 0.3
+    assert gates.held == 1 and slot not in gates.free
+    child.send_signal(signal.SIGKILL)
+    child.wait(10)
+    assert not gates.slots.enter(slot, 42)  # shut stays shut
 
 
-def test_gate_a_writer_never_passes_after_shut_returns():
+def test_gate_a_writer_never_passes_after_shut_returns(gates):
     """Dekker across processes: a writer loops enter/leave; once shut() returned True, no enter succeeds."""
-    gates = ipc.Gates(1)
-    try:
-        slot = gates.take(7)
-        child = writer(gates, slot, 7, 1)
-        assert child.stdout.readline().strip() == "open"
-        time.sleep(0.2)
-        assert gates.shut(slot, 5.0)
-        inside_after = [gates.slots.inside(slot) for _ in range(1000)]
-        words = child.stdout.readline().split()
-        assert words[0] == "shut" and int(words[1]) > 0
-        assert child.wait(10) == 0
-        assert not any(inside_after)
-        assert slot in gates.free
-    finally:
-        gates.close()
+    slot = gates.take(7)
+    child = writer(gates, slot, 7, 1)
+    assert child.stdout.readline().strip() == "open"
+    time.sleep(0.2)
+    assert gates.shut(slot, 5.0)
+    inside_after = [gates.slots.inside(slot) for _ in range(1000)]
+    words = child.stdout.readline().split()
+    assert words[0] == "shut" and int(words[1]) > 0
+    assert child.wait(10) == 0
+    assert not any(inside_after)
+    assert slot in gates.free
 
 
-def test_gate_key_and_slot_reuse_shut_out_stale_writers():
-    gates = ipc.Gates(1)
-    try:
-        slot = gates.take(1)
-        assert gates.slots.enter(slot, 1) and not gates.slots.enter(slot, 2)
-        gates.slots.leave(slot)
-        assert gates.shut(slot, 1.0)
-        again = [gates.take(k) for k in range(2, 2 + len(gates.free))]  # every free slot, the old one last
-        assert again[-1] == slot
-        assert not gates.slots.enter(slot, 1)  # the old region's key opens nothing
-        with pytest.raises(Exception, match="already offers"):
-            gates.take(99)
-    finally:
-        gates.close()
+def test_gate_key_and_slot_reuse_shut_out_stale_writers(gates):
+    slot = gates.take(1)
+    assert gates.slots.enter(slot, 1) and not gates.slots.enter(slot, 2)
+    gates.slots.leave(slot)
+    assert gates.shut(slot, 1.0)
+    again = [gates.take(k) for k in range(2, 2 + len(gates.free))]  # every free slot, the old one last
+    assert again[-1] == slot
+    assert not gates.slots.enter(slot, 1)  # the old region's key opens nothing
+    with pytest.raises(Exception, match="already offers"):
+        gates.take(99)
 
 
 def test_gates_of_another_engine_or_process_are_refused():
@@ -158,34 +154,30 @@ def test_gate_slots_refuse_indices_outside():
         slots.shut(-1)
 
 
-def test_gates_under_threads_never_leak_a_passage():
+def test_gates_under_threads_never_leak_a_passage(gates):
     """Many threads entering and leaving while the gate shuts: once shut() returned True, nobody is inside and
     nobody gets in; every thread sees the gate shut."""
-    gates = ipc.Gates(1)
-    try:
-        slot = gates.take(3)
-        passed_after = []
-        shut_done = threading.Event()
+    slot = gates.take(3)
+    passed_after = []
+    shut_done = threading.Event()
 
-        def loop():
-            while True:
-                if not gates.slots.enter(slot, 3):
-                    return
-                if shut_done.is_set():
-                    passed_after.append(1)
-                gates.slots.leave(slot)
+    def loop():
+        while True:
+            if not gates.slots.enter(slot, 3):
+                return
+            if shut_done.is_set():
+                passed_after.append(1)
+            gates.slots.leave(slot)
 
-        threads = [threading.Thread(target=loop) for _ in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(0.05)
-        assert gates.shut(slot, 5.0)
-        shut_done.set()
-        for t in threads:
-            t.join(10)
-        assert not passed_after and gates.slots.inside(slot) == 0
-    finally:
-        gates.close()
+    threads = [threading.Thread(target=loop) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    assert gates.shut(slot, 5.0)
+    shut_done.set()
+    for t in threads:
+        t.join(10)
+    assert not passed_after and gates.slots.inside(slot) == 0
 
 
 # --------------------------------------------------------------------------------------- COPIED_IN
