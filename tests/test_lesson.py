@@ -85,9 +85,40 @@ def test_pinning_samples_the_writer_threads_migrations():
         pytest.skip("no scheduler statistics in /proc on this kernel")
     runs = lesson.pinning(bench, **SMALL)
     assert list(runs) == ["not pinned", "pinned"]
-    for pairs in runs.values():
-        r, migrations = pairs[0]
-        assert r.verified and migrations >= 0
+    for label, runs_of in runs.items():
+        run = runs_of[0]
+        assert run.result.verified and run.moves >= run.after_pinning >= 0
+        if label == "pinned":
+            assert run.after_pinning == 0, "the kernel moved a thread allowed on one CPU only"
+
+
+def test_the_migration_watch_counts_the_moves_after_a_thread_pinned_itself():
+    """A thread named like a writer pins itself to one CPU, then to another: the watch must see that second
+    move as one after pinning (so the engine's pinned runs, which report none, would show one)."""
+    import ctypes
+    import os
+    import threading
+    import time
+    if not lesson.MigrationWatch.available() or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs scheduler statistics and two CPUs")
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+
+    def writer() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(15, lesson.WRITER_THREAD_NAME.encode(), 0, 0, 0)  # PR_SET_NAME
+        os.sched_setaffinity(0, {first})
+        end = time.monotonic() + 5
+        while threading.get_native_id() not in watch.at_pin and time.monotonic() < end:
+            time.sleep(0.001)  # until the watch has noted the count at the pin
+        os.sched_setaffinity(0, {second})  # a move after pinning
+        time.sleep(0.05)
+
+    with lesson.MigrationWatch(interval=0.002) as watch:
+        t = threading.Thread(target=writer)
+        t.start()
+        t.join()
+        time.sleep(0.01)
+    assert watch.at_pin, "the watch never saw the thread pinned"
+    assert watch.total >= watch.after_pinning >= 1, (watch.by_thread, watch.at_pin)
 
 
 def test_first_write_latency_times_every_write():

@@ -5,8 +5,9 @@ notebook writes ``lesson.fact(...)``.
 """
 from __future__ import annotations
 
+import os
 import pathlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -226,13 +227,16 @@ WRITER_THREAD_NAME = "fl-writer"  # course.c names its writer threads so
 class MigrationWatch:
     """Samples ``nr_migrations`` (``/proc/self/task/<tid>/sched``: how often the scheduler moved a thread to
     another CPU) of this process's engine writer threads every ``interval`` seconds while it is open.
-    ``by_thread``: tid → the last count seen. A thread's moves after the last sample before it ended are
-    not seen. Needs a kernel with scheduler statistics (``available``)."""
+    ``by_thread``: tid → the last count seen; ``at_pin``: tid → the count at the first sample that found the
+    thread allowed on one CPU only (pinned: the move onto that CPU happens inside the pinning call, so it is
+    counted there, and a thread may have been moved before, while it started). A thread's moves after the
+    last sample before it ended are not seen. Needs a kernel with scheduler statistics (``available``)."""
 
     def __init__(self, interval: float = 0.005):
         import threading
         self.interval = interval
         self.by_thread: dict[int, int] = {}
+        self.at_pin: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -247,16 +251,22 @@ class MigrationWatch:
                 try:
                     if (task / "comm").read_text().strip() != WRITER_THREAD_NAME:
                         continue
-                    for line in (task / "sched").read_text().splitlines():
-                        if line.startswith("se.nr_migrations"):
-                            self.by_thread[int(task.name)] = int(line.split(":")[1])
-                except (FileNotFoundError, ProcessLookupError, ValueError):
+                    tid, count = int(task.name), _migrations(task)
+                    self.by_thread[tid] = count
+                    if tid not in self.at_pin and len(os.sched_getaffinity(tid)) == 1:
+                        self.at_pin[tid] = count
+                except (FileNotFoundError, ProcessLookupError, ValueError, OSError):
                     continue  # the thread ended between listing and reading
             self._stop.wait(self.interval)
 
     @property
     def total(self) -> int:
         return sum(self.by_thread.values())
+
+    @property
+    def after_pinning(self) -> int:
+        """Moves of the pinned threads after they were pinned (the kernel allows none)."""
+        return sum(self.by_thread[tid] - count for tid, count in self.at_pin.items())
 
     def __enter__(self):
         self._thread.start()
@@ -268,14 +278,27 @@ class MigrationWatch:
         return False
 
 
+def _migrations(task: pathlib.Path) -> int:
+    for line in (task / "sched").read_text().splitlines():
+        if line.startswith("se.nr_migrations"):
+            return int(line.split(":")[1])
+    raise ValueError(f"no se.nr_migrations in {task / 'sched'}")
+
+
 def _own_tid() -> int:
     import threading
     return threading.get_native_id()
 
 
+class PinRun(NamedTuple):
+    result: Any  # bench.BenchResult
+    moves: int  # the writer threads' migrations during the run
+    after_pinning: int  # those that came after a thread had pinned itself
+
+
 def pinning(bench, rounds: int = 3, provider: str | None = None, **setup) -> dict:
-    """Chapters 11 (not pinned) and 12 (pinned), interleaved: label → list of (BenchResult, migrations of
-    its writer threads)."""
+    """Chapters 11 (not pinned) and 12 (pinned), interleaved: label → list of ``PinRun`` (the BenchResult,
+    its writer threads' migrations, and those of them that came after the threads were pinned)."""
     provider, domain = fabric(provider)
     base = {**ENGINE_SETUP, "provider": provider, "domain": domain, "stage": "threaded", "shard": False, **setup}
     out = {"not pinned": [], "pinned": []}
@@ -284,7 +307,7 @@ def pinning(bench, rounds: int = 3, provider: str | None = None, **setup) -> dic
             for label, pin in (("not pinned", False), ("pinned", True)):
                 with MigrationWatch() as watch:
                     r = target.run(bench.BenchConfig(**{**base, "pin": pin}), label=label)
-                out[label].append((r, watch.total))
+                out[label].append(PinRun(r, watch.total, watch.after_pinning))
     return out
 
 
