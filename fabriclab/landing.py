@@ -139,7 +139,11 @@ class Landing:
         self.thread.join(timeout)
         self.watcher.join(1.0)
         self.writer.close(list(self.new_jobs))
-        if not self.thread.is_alive():
+        # a thread stuck in a send call (the watcher stops with the engine) is given up on here as the watcher
+        # would: when its call returns it touches nothing, so the lanes' copiers close, and the channel stays
+        # open for the call (ControlChannel.close)
+        stranded = self.thread.is_alive() and self.channel.supersede()
+        if stranded or not self.thread.is_alive():
             self.target.close()
             self.channel.close()
 

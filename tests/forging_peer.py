@@ -7,7 +7,10 @@ ADDRESS_HEX is the target's control address (a staged descriptor's LandingRoute.
 messages sent a second. garbage: malformed messages of every kind (1 byte, truncated, unknown kinds, wrong
 lengths, fields out of range, a REQUEST with a guessed key), over and over. spoof: FILLED claiming to be
 writer WRITER_ID, for each of its first 64 jobs and each lane, saying the lane holds one page for byte DST
-of region REGION_ID under IMM. Prints "ready" once its endpoint is open, then sends until killed."""
+of region REGION_ID under IMM. Prints "ready" once its endpoint is open, then sends until SIGTERM, which ends
+it cleanly: its endpoint closed, so the target's replies to it fail instead of spinning (on shm, a send to a
+process SIGKILLed while it held its queue's lock spins for ever, stranding a thread of the tests' process)."""
+import signal
 import sys
 import time
 
@@ -64,9 +67,11 @@ channel = control.ControlChannel(provider, None if domain == "-" else domain)
 target = channel.peer(address)
 rng = np.random.default_rng(7)
 messages = garbage(rng, channel.address) if mode == "garbage" else spoofed(*(int(x) for x in sys.argv[6:10]))
+stopping = []
+signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
 print("ready", flush=True)
 sent, started = 0, time.monotonic()
-while True:
+while not stopping:
     if mode == "garbage" and sent % len(messages) == 0:
         messages = garbage(rng, channel.address)
     channel.send(target, messages[sent % len(messages)])
@@ -75,3 +80,4 @@ while True:
     while time.monotonic() - started < sent / rate:
         channel.progress()
         time.sleep(0.0005)
+channel.close()

@@ -6,8 +6,11 @@ tests/forging_peer.py, a process speaking the protocol by hand. Staged targets h
 (Engine._register_staged_host), so they run anywhere."""
 import logging
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -122,8 +125,13 @@ def forging_peer(fabric, descriptor, rate, *mode):
 
 
 def stop(process):
-    process.kill()
-    process.wait(10)
+    """End a forger cleanly (see tests/forging_peer.py), or kill it if it does not end within 10 s."""
+    process.signal(signal.SIGTERM)
+    try:
+        process.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        process.proc.kill()
+        process.proc.wait(10)
 
 
 def test_filled_for_a_lane_leased_to_another_writer_is_never_taken(fabric):
@@ -188,9 +196,56 @@ def test_a_killed_writer_never_starves_the_next_one(fabric):
         try:
             assert target.ask("expect 4 2 30").startswith("landed 2 ")  # its first lane landed; it holds the rest
         finally:
-            stop(greedy)
+            greedy.kill()  # SIGKILL: the writer that stops speaking mid-transfer
+            greedy.wait(10)
         with writer_engine(fabric, timeout=10) as survivor:
             assert honest_write(survivor, target.descriptor, target.address, 5, [199], imm=5, timeout=10).pages == 1
         assert target.ask("expect 5 1 10").startswith("landed 1 ") and target.ask("count 5") == str(PAGE)
     finally:
         target.kill()
+
+
+class _StuckSends:
+    """A control endpoint whose sends do not return until ``release`` is set: a provider call stuck for good
+    (as shm's is on a queue whose owner was SIGKILLed holding its lock). Everything else is the real one."""
+
+    def __init__(self, ep, release):
+        self._ep, self._release = ep, release
+
+    def try_post_send(self, *args):
+        self._release.wait()
+        return self._ep.try_post_send(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._ep, name)
+
+
+def test_closing_a_target_whose_landing_thread_is_stuck_in_a_send_still_closes_its_copiers(fabric):
+    """The landing thread is inside a send call that never returns when the engine closes (the watcher, which
+    would give up on it after 2 s, stops with the engine). Close gave up on the thread and skipped closing the
+    lanes' copiers, so their thread stayed for the life of the process. Now close gives up on the send as the
+    watcher would, closes the copiers, and the stuck thread, once its call returns, ends touching nothing."""
+    release = threading.Event()
+    target = staged_target(fabric)
+    try:
+        landed = np.zeros(4 * PAGE, np.uint8)
+        region = target._register_staged_host(landed)
+        with writer_engine(fabric) as writer:  # one staged write, so the target has a copier
+            honest_write(writer, region.descriptor(), target.address, 7, [0], imm=1)
+        lander = target._service.landing
+        copier = lander.target.copiers["host"]
+        channel = lander.channel
+        channel.stack.ep = _StuckSends(channel.stack.ep, release)
+        lander.send_soon(lander.address, control.HEAD.pack(control.ALIVE, 1, 1))
+        deadline = time.monotonic() + 10
+        while channel.calling is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert channel.calling is not None, "the landing thread never entered the send"
+        stuck = lander.thread
+        time.sleep(channel.WEDGED_S)  # as long as the watcher would wait: then it is wedged
+    finally:
+        target.close()
+    assert stuck.is_alive() and not copier.thread.is_alive()
+    release.set()
+    stuck.join(5)
+    assert not stuck.is_alive(), "the stuck thread did not end once its call returned"
