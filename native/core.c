@@ -246,7 +246,7 @@ int poll_nic(thread_ctx *t, int nic_index) {
         if (got < CQ_BATCH) break;
     }
     if (t->e->service.transfers) flc_transfer_finished_writes(t->e, run_transfer, run_writes);
-    if (completed) ns->last_ok_ns = fl_now_ns();
+    if (completed) ns->last_ok_ns = t->now_ns;
     if (landed && __atomic_load_n(&t->e->service.imm_watch, __ATOMIC_RELAXED)) flc_notify(t->e, FL_NO_TRANSFER);
     return handled;
 }
@@ -272,7 +272,7 @@ enum flc_post post_write(thread_ctx *t, int nic_index, const fl_op *op, uint64_t
     ssize_t rc = fi_writemsg(n->ep, &msg, flags);
     if (rc == 0) {
         slot->ep_gen = n->renewals;
-        if (n->in_flight == 0) ns->last_ok_ns = fl_now_ns(); /* the link's clock starts with work */
+        if (n->in_flight == 0) ns->last_ok_ns = t->now_ns; /* the link's clock starts with work */
         slot->in_flight = 1;
         ns->free_head = slot->next_free;
         n->in_flight++;
@@ -304,6 +304,7 @@ static int flc_flush_refused_run(thread_ctx *t, int nic_index);
 static int flush_more(thread_ctx *t, int nic_index) {
     fl_nic *n = &t->e->nics[nic_index];
     for (;;) {
+        uint64_t now = flc_tick(t);
         const fl_op *op = &n->ring[n->ring_head % n->ring_capacity];
         enum flc_post rc = n->in_flight < n->max_in_flight ? post_write(t, nic_index, op, 0) : FLC_POST_AGAIN;
         if (rc == FLC_POSTED) {
@@ -319,8 +320,8 @@ static int flush_more(thread_ctx *t, int nic_index) {
         int got = poll_nic(t, nic_index);
         if (got < 0) return -1;
         if (n->down) return 0;
-        if (got > 0) t->last_progress_ns = fl_now_ns();
-        else if (link_stalled(t, nic_index, fl_now_ns())) return t->failover->link_quiet(t, nic_index);
+        if (got > 0) t->last_progress_ns = now;
+        else if (link_stalled(t, nic_index, now)) return t->failover->link_quiet(t, nic_index);
         else if (t->failover->check_deadline && t->failover->check_deadline(t, nic_index)) return -1;
     }
 }
@@ -336,6 +337,7 @@ static int flc_flush_refused_run(thread_ctx *t, int nic_index) {
     flush.imm = FL_NO_IMM;
     uint64_t deadline = fl_now_ns() + t->timeout_ns;
     while (ns->last_had_more) {
+        flc_tick(t);
         enum flc_post rc = n->in_flight < n->max_in_flight ? post_write(t, nic_index, &flush, 0) : FLC_POST_AGAIN;
         if (rc == FLC_POSTED) {
             n->more_flushes++;
@@ -347,7 +349,7 @@ static int flc_flush_refused_run(thread_ctx *t, int nic_index) {
         }
         if (stopping(t->e)) return -1;
         if (poll_nic(t, nic_index) < 0) return -1;
-        if (fl_now_ns() > deadline) {
+        if (t->now_ns > deadline) {
             flc_fail(t->e, -FI_ETIMEDOUT, "NIC %d: the provider took no write for %.1f s to end an FI_MORE run",
                      nic_index, (double)t->timeout_ns / 1e9);
             return -1;

@@ -163,6 +163,9 @@ typedef struct thread_ctx {
     uint64_t warmup_from; /* timed runs: writes numbered from here on are warm-up writes, not counted */
     volatile uint64_t *my_posted, *my_finished;
     uint64_t last_progress_ns, timeout_ns;
+    uint64_t now_ns; /* the clock, read once per pass or wait-loop turn (flc_tick): completion and posting
+                      * times are for link timeouts of a second or more, and reading the clock at every
+                      * completion cost the hot loop more than that grain is worth */
     int timed;
     uint64_t remaining; /* timed writes of this thread's groups not yet completed */
     uint64_t timed_bytes;
@@ -244,6 +247,11 @@ static inline uint64_t flc_op_flags(int delivery_complete) {
 static inline void flc_free_slot(nic_state *ns, op_slot *slot) {
     slot->next_free = ns->free_head;
     ns->free_head = (uint32_t)(slot - ns->slots);
+}
+
+/* Read the clock for this pass of the thread's loop (see thread_ctx.now_ns); returns it. */
+static inline uint64_t flc_tick(thread_ctx *t) {
+    return t->now_ns = fl_now_ns();
 }
 
 /* A NIC with writes in flight and no completion for link_timeout_s: its link (a write run) or the paths of

@@ -56,25 +56,27 @@ static int warm_up(thread_ctx *t) {
             fl_op op;
             page_op(t, nic, seq, &op);
             enum flc_post rc;
-            t->last_progress_ns = fl_now_ns();
+            t->last_progress_ns = flc_tick(t);
             /* a peer that never answers must not hang us */
             while ((rc = post_write(t, nic, &op, 0)) == FLC_POST_AGAIN) {
+                flc_tick(t);
                 if (poll_nic(t, nic) < 0 || stopping(t->e) || check_timeout(t, nic)) return -1;
                 if (t->e->nics[nic].down) break;
             }
             if (rc == FLC_POST_FAILED) return -1;
         }
     }
-    t->last_progress_ns = fl_now_ns();
+    t->last_progress_ns = flc_tick(t);
     for (int i = 0; i < t->ngroups; i++) {
         group *g = &t->groups[i];
         for (int k = 0; k < g->nnics; k++) {
             int nic = g->nics[k];
             while (t->e->nics[nic].in_flight > 0) {
+                uint64_t now = flc_tick(t);
                 int got = poll_nic(t, nic);
                 if (got < 0 || stopping(t->e)) return -1;
-                if (got > 0) t->last_progress_ns = fl_now_ns();
-                else if (link_stalled(t, nic, fl_now_ns())) {
+                if (got > 0) t->last_progress_ns = now;
+                else if (link_stalled(t, nic, now)) {
                     if (check_link(t, nic) < 0) return -1;
                     k--; /* the group's NICs moved down by one */
                 } else if (check_timeout(t, nic)) return -1;
@@ -101,11 +103,12 @@ static void *writer_thread(void *arg) {
     if (!stopping(e) && cfg->warmup && warm_up(t) < 0) __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
     pthread_barrier_wait(&st->start_line);
     t->timed = 1;
-    st->start_ns[t->id] = fl_now_ns();
+    st->start_ns[t->id] = flc_tick(t);
     t->last_progress_ns = st->start_ns[t->id];
     uint64_t passes = 0;
     while (!stopping(e) && !done(t)) {
         int progressed = 0;
+        flc_tick(t);
         if (t->spill_len && requeue_spilled(t) < 0) goto out;
         for (int i = 0; i < t->ngroups; i++) {
             group *g = &t->groups[i];
@@ -134,7 +137,7 @@ static void *writer_thread(void *arg) {
             }
         }
         if (cfg->link_timeout_s > 0 && (passes & 1023) == 0) {
-            uint64_t now = fl_now_ns();
+            uint64_t now = t->now_ns;
             for (int i = 0; i < t->ngroups; i++)
                 for (int k = 0; k < t->groups[i].nnics; k++)
                     if (link_stalled(t, t->groups[i].nics[k], now) && check_link(t, t->groups[i].nics[k]) < 0)
@@ -142,7 +145,7 @@ static void *writer_thread(void *arg) {
         }
         if (progressed) {
             passes++;
-            t->last_progress_ns = fl_now_ns();
+            t->last_progress_ns = t->now_ns;
         } else {
             /* nothing came back: a thread this one keeps from its core (the target's, on a small box) may
              * be the one that would make progress; let it run now rather than at the next tick */

@@ -113,6 +113,7 @@ static int flc_drain_inbox(thread_ctx *t, uint32_t budget) {
 static int flc_service_pass(thread_ctx *t, uint32_t *outstanding) {
     fl_engine *e = t->e;
     const group *mine = t->groups; /* the NICs this worker owns (fl_nic.group == its id) */
+    flc_tick(t);
     int busy = flc_drain_inbox(t, (uint32_t)t->st->service_cfg.batch * 64);
     *outstanding = 0;
     for (int i = 0; i < mine->nnics; i++) {
@@ -141,7 +142,7 @@ static void flc_service_loop(thread_ctx *t) {
     }
     rest_state rest;
     flc_rest_begin(&rest);
-    t->last_progress_ns = fl_now_ns();
+    t->last_progress_ns = flc_tick(t);
     uint64_t passes = 0;
     t->revive_seen = __atomic_load_n(&e->service.revive_epoch, __ATOMIC_ACQUIRE);
     while (!stopping(e)) {
