@@ -206,11 +206,13 @@ class ControlChannel:
     and domain of the engine's first NIC, as fi_getinfo offers them), served by one thread at a time.
 
     Messages wait per destination: one that takes nothing (a peer gone, whose provider keeps answering
-    EAGAIN) holds up no other, and is reported failed once it took nothing for ``unreachable_s``. A send
-    call that never returns (stuck in the provider; why: native/service.h, at fl_service_stop) is seen by
-    ``wedged``: ``supersede`` then reports its destination failed and leaves the stuck thread to the
-    provider at idle priority, for another thread to serve the channel; the endpoint is never closed then
-    (the stuck call still uses it)."""
+    EAGAIN) holds up no other, and is reported failed once it took nothing for ``unreachable_s``. A call
+    into the provider that never returns (stuck; why: native/service.h, at fl_service_stop) is seen by
+    ``wedged``: ``supersede`` then leaves the stuck thread to the provider at idle priority. A stuck send
+    is one peer's: its destination is reported failed, and another thread may serve the channel. A stuck
+    read of the completion queue is the channel's own queue: ``dead`` says so, and nothing can serve it
+    again. Either way the endpoint is never closed (the stuck call still uses it, and closing it would wait
+    for the lock that call holds, at the latest at the process's exit)."""
 
     WEDGED_S = 2.0
 
@@ -234,10 +236,12 @@ class ControlChannel:
         self.stuck: dict[int, float] = {}  # destination -> since when it takes nothing
         self.known: dict[bytes, int] = {}
         self.lock = threading.Lock()  # the send in progress, against supersede() from a watching thread
-        self.calling: tuple[int, int, float, int] | None = None  # (generation, destination, since, thread)
+        self.calling: tuple[int, int | None, float, int] | None = None  # (generation, destination or None for
+        # the completion queue's read, since, thread)
         self.generation = 0
         self.failed: list[int] = []  # destinations supersede() gave up on
-        self.stranded = 0            # threads left in a send call
+        self.stranded = 0            # threads left in a provider call
+        self.dead = False            # a read of the completion queue was left stuck: the channel serves no more
 
     @property
     def can_send(self) -> bool:
@@ -269,7 +273,7 @@ class ControlChannel:
         received: list[bytes] = []
         while len(received) < READS:
             try:
-                completions = self.stack.cq.poll()
+                completions = self._read()
             except fi.FabricError as exc:
                 token = exc.token
                 if token and token[0] == "send":
@@ -291,6 +295,22 @@ class ControlChannel:
             self.forget(dest)
         return received, failed
 
+    def _read(self) -> list[fi.Completion]:
+        """One read of the completion queue, seen by ``wedged`` while it runs."""
+        generation = self.generation
+        self.calling = (generation, None, time.monotonic(), threading.get_native_id())
+        try:
+            return self.stack.cq.poll()
+        finally:
+            self._returned(generation)
+
+    def _returned(self, generation: int) -> None:
+        """A provider call of this thread returned: Superseded if it was given up on meanwhile."""
+        with self.lock:
+            if generation != self.generation:
+                raise Superseded()
+            self.calling = None
+
     def _post(self, dest: int) -> bool:
         """Post what waits for ``dest`` while send slots are free; False if ``dest`` cannot be reached."""
         queue = self.outbox[dest]
@@ -304,10 +324,7 @@ class ControlChannel:
                 posted = self.stack.ep.try_post_send(self.sending_mr, offset, len(message), dest, ("send", slot, dest))
             except fi.FabricError:
                 posted = None
-            with self.lock:
-                if generation != self.generation:
-                    raise Superseded()  # the slot stays with the call
-                self.calling = None
+            self._returned(generation)  # Superseded: the slot stays with the call
             if not posted:
                 return posted is not None and (
                     time.monotonic() - self.stuck.setdefault(dest, time.monotonic()) < self.unreachable_s)
@@ -324,10 +341,10 @@ class ControlChannel:
         return calling is not None and calling[0] == self.generation and time.monotonic() - calling[2] > self.WEDGED_S
 
     def supersede(self) -> bool:
-        """Give up on the wedged send call (from another thread than the one in it; False if it returned
-        meanwhile): what waits for its destination is dropped and the destination reported failed at the
-        next ``progress``, its thread is left at idle priority, and another thread may serve the channel;
-        the one in the call raises Superseded if the call ever returns."""
+        """Give up on the wedged call (from another thread than the one in it; False if it returned
+        meanwhile): its thread is left at idle priority, and raises Superseded if the call ever returns. A
+        send: what waits for its destination is dropped and the destination reported failed at the next
+        ``progress``, and another thread may serve the channel. A read: the channel is ``dead``."""
         with self.lock:
             calling = self.calling
             if calling is None or not self.wedged():
@@ -335,28 +352,40 @@ class ControlChannel:
             _, dest, _, thread = calling
             self.generation += 1
             self.calling = None
-            self.forget(dest)  # its thread is stuck, the next one not started: no one else uses the outbox
-            self.failed.append(dest)
+            if dest is None:
+                self.dead = True
+            else:
+                self.forget(dest)  # its thread is stuck, the next one not started: no one else uses the outbox
+                self.failed.append(dest)
             self.stranded += 1
         try:
             os.setpriority(os.PRIO_PROCESS, thread, 19)  # a spin burns only idle time
         except OSError:
             pass  # not allowed here: it spins at its priority
-        log.warning("a control message to a peer has not left in %.0f s (the provider is stuck on the peer, which "
-                    "is taken for gone); another thread serves the control channel", self.WEDGED_S)
+        if dest is None:
+            log.warning("reading the control endpoint's completion queue has not returned in %.0f s (the provider "
+                        "is stuck, as shm is on a queue whose peer died holding its lock): staged transfers of this "
+                        "engine fail from now on; open a new Engine", self.WEDGED_S)
+        else:
+            log.warning("a control message to a peer has not left in %.0f s (the provider is stuck on the peer, "
+                        "which is taken for gone); another thread serves the control channel", self.WEDGED_S)
         return True
 
     def _repost(self, slot: int) -> None:
         self.stack.ep.post_recv(self.received_mr, slot * self.message_bytes, self.message_bytes, ("recv", slot))
 
     def close(self) -> None:
-        """Close the endpoint, unless a send call left stranded still runs on it: then it stays open, with
-        the memory it reads, for the life of the process."""
+        """Close the endpoint, unless a call left stranded still runs on it: then it is ``abandon``ed."""
         if self.stranded:
-            self.stack.fabric.keep_open()
-            _KEPT.append(self)
+            self.abandon()
             return
         self.stack.close()
 
+    def abandon(self) -> None:
+        """Leave the endpoint open, with the memory it reads, for the life of the process, never closed: for a
+        thread that may still be inside (or come back into) a provider call on it."""
+        self.stack.fabric.keep_open()
+        _KEPT.append(self)
 
-_KEPT: list[ControlChannel] = []  # channels a stuck send call still uses: never closed, never collected
+
+_KEPT: list[ControlChannel] = []  # channels a stuck call may still use: never closed, never collected

@@ -52,6 +52,7 @@ from typing import Any
 
 from . import _native, control, fi, staging
 from .control import BadMessage
+from .errors import StagingFailed
 from .landing_target import LandingTarget, TargetRegion
 from .landing_writer import LandingJob, LandingWriter
 
@@ -116,6 +117,10 @@ class Landing:
     def submit(self, job: LandingJob) -> None:
         job.split()
         job.number = secrets.randbits(64) or 1  # only the writer and its target know it
+        if self.channel.dead:
+            raise StagingFailed("this engine's control endpoint is stuck in the provider (a read of its completion "
+                                "queue never returned), so no staged transfer can be arranged: open a new Engine",
+                                buffer_safe=True)
         with self.lock:
             if self.closed:
                 raise fi.UsageError("the engine is closed")
@@ -139,13 +144,17 @@ class Landing:
         self.thread.join(timeout)
         self.watcher.join(1.0)
         self.writer.close(list(self.new_jobs))
-        # a thread stuck in a send call (the watcher stops with the engine) is given up on here as the watcher
-        # would: when its call returns it touches nothing, so the lanes' copiers close, and the channel stays
-        # open for the call (ControlChannel.close)
-        stranded = self.thread.is_alive() and self.channel.supersede()
-        if stranded or not self.thread.is_alive():
+        if not self.thread.is_alive():
             self.target.close()
             self.channel.close()
+            return
+        # a thread stuck in a provider call (the watcher stops with the engine) is given up on here as the
+        # watcher would: when the call returns it touches nothing, so the lanes' copiers close. Stuck or only
+        # slow, it may still be in the channel: never closed, or its lock would hold up the closer for good
+        # (at the latest, the process's exit)
+        if self.channel.supersede() or self.channel.dead:
+            self.target.close()
+        self.channel.abandon()
 
     # --------------------------------------------------------------------------------- the thread
 
@@ -156,11 +165,12 @@ class Landing:
 
     def _watch(self) -> None:
         """A landing thread stuck in a send that never returns (ControlChannel.wedged) is replaced: the
-        peer it sends to is taken for gone, and the others are served on."""
+        peer it sends to is taken for gone, and the others are served on. One stuck reading the channel's
+        completion queue is not: a new one would be stuck the same way (the channel is dead)."""
         while not self.closed:
             time.sleep(0.25)
-            if not self.closed and self.channel.wedged() and self.channel.supersede():
-                self.thread = self._start()
+            if not self.closed and self.channel.wedged() and self.channel.supersede() and not self.channel.dead:
+                self.thread = self._start()  # a send to one peer was stuck: the others are served on
 
     def _run(self) -> None:
         staging.quick_timers()  # waits of POLL_S, not POLL_S + 50 us

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from fabriclab import TransferError, bootstrap, control
+from fabriclab.errors import StagingFailed
 from fabriclab.wire import decode_region, seal as _seal, unseal as _unseal
 from helpers import LINE_TIMEOUT, Child, PeerProcess, python
 from test_staging import PAGE, WRITER, staged_target, writer_engine
@@ -249,3 +250,52 @@ def test_closing_a_target_whose_landing_thread_is_stuck_in_a_send_still_closes_i
     release.set()
     stuck.join(5)
     assert not stuck.is_alive(), "the stuck thread did not end once its call returned"
+
+
+class _StuckReads:
+    """A completion queue whose reads do not return until ``release`` is set (shm's, when a peer died holding
+    the queue's lock, spins for ever). Everything else is the real one."""
+
+    def __init__(self, cq, release):
+        self._cq, self._release = cq, release
+
+    def poll(self, *args):
+        self._release.wait()
+        return self._cq.poll(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._cq, name)
+
+
+def test_a_control_queue_stuck_in_a_read_fails_staged_transfers_and_never_blocks_close(fabric):
+    """The landing thread's read of the control endpoint's completion queue never returns. The watcher gives up
+    on it and starts no second thread (it would be stuck the same way); new staged transfers fail at once,
+    saying why; close returns, closes the lanes' copiers and leaves the endpoint open for good (closing it would
+    wait for the lock the stuck read holds: a process that hung at its exit showed this)."""
+    release = threading.Event()
+    target = staged_target(fabric)
+    try:
+        region = target._register_staged_host(np.zeros(4 * PAGE, np.uint8))
+        with writer_engine(fabric) as writer:
+            honest_write(writer, region.descriptor(), target.address, 7, [0], imm=1)
+            lander = target._service.landing
+            copier = lander.target.copiers["host"]
+            lander.channel.stack.cq = _StuckReads(lander.channel.stack.cq, release)
+            stuck = lander.thread
+            deadline = time.monotonic() + lander.channel.WEDGED_S + 10
+            while not lander.channel.dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert lander.channel.dead, "the watcher never gave up on the stuck read"
+            time.sleep(0.5)
+            assert lander.thread is stuck and lander.channel.stranded == 1, "a second landing thread was started"
+            with staged_target(fabric) as other:  # the stuck engine as a writer to another staged target
+                elsewhere = other._register_staged_host(np.zeros(PAGE, np.uint8)).descriptor()
+                with pytest.raises(StagingFailed, match="stuck in the provider"):
+                    target.connect(other.address).write_pages(target.register(np.ones(PAGE, np.uint8)), [0],
+                                                              elsewhere, [0], PAGE).result(10)
+    finally:
+        target.close()
+    assert not copier.thread.is_alive() and lander.channel in control._KEPT
+    release.set()
+    stuck.join(5)
+    assert not stuck.is_alive()
