@@ -206,19 +206,23 @@ def test_a_killed_writer_never_starves_the_next_one(fabric):
         target.kill()
 
 
-class _StuckSends:
-    """A control endpoint whose sends do not return until ``release`` is set: a provider call stuck for good
-    (as shm's is on a queue whose owner was SIGKILLed holding its lock). Everything else is the real one."""
+class _Stuck:
+    """``inner`` (a real endpoint or completion queue) whose method ``call`` does not return until ``release``
+    is set: a provider call stuck for good, as shm's are on a queue whose owner was SIGKILLed holding its
+    lock. Everything else is the real object's."""
 
-    def __init__(self, ep, release):
-        self._ep, self._release = ep, release
-
-    def try_post_send(self, *args):
-        self._release.wait()
-        return self._ep.try_post_send(*args)
+    def __init__(self, inner, call, release):
+        self._inner, self._call, self._release = inner, call, release
 
     def __getattr__(self, name):
-        return getattr(self._ep, name)
+        method = getattr(self._inner, name)
+        if name != self._call:
+            return method
+
+        def stuck(*args):
+            self._release.wait()
+            return method(*args)
+        return stuck
 
 
 def test_closing_a_target_whose_landing_thread_is_stuck_in_a_send_still_closes_its_copiers(fabric):
@@ -236,7 +240,7 @@ def test_closing_a_target_whose_landing_thread_is_stuck_in_a_send_still_closes_i
         lander = target._service.landing
         copier = lander.target.copiers["host"]
         channel = lander.channel
-        channel.stack.ep = _StuckSends(channel.stack.ep, release)
+        channel.stack.ep = _Stuck(channel.stack.ep, "try_post_send", release)
         lander.send_soon(lander.address, control.HEAD.pack(control.ALIVE, 1, 1))
         deadline = time.monotonic() + 10
         while channel.calling is None and time.monotonic() < deadline:
@@ -252,21 +256,6 @@ def test_closing_a_target_whose_landing_thread_is_stuck_in_a_send_still_closes_i
     assert not stuck.is_alive(), "the stuck thread did not end once its call returned"
 
 
-class _StuckReads:
-    """A completion queue whose reads do not return until ``release`` is set (shm's, when a peer died holding
-    the queue's lock, spins for ever). Everything else is the real one."""
-
-    def __init__(self, cq, release):
-        self._cq, self._release = cq, release
-
-    def poll(self, *args):
-        self._release.wait()
-        return self._cq.poll(*args)
-
-    def __getattr__(self, name):
-        return getattr(self._cq, name)
-
-
 def test_a_control_queue_stuck_in_a_read_fails_staged_transfers_and_never_blocks_close(fabric):
     """The landing thread's read of the control endpoint's completion queue never returns. The watcher gives up
     on it and starts no second thread (it would be stuck the same way); new staged transfers fail at once,
@@ -280,7 +269,7 @@ def test_a_control_queue_stuck_in_a_read_fails_staged_transfers_and_never_blocks
             honest_write(writer, region.descriptor(), target.address, 7, [0], imm=1)
             lander = target._service.landing
             copier = lander.target.copiers["host"]
-            lander.channel.stack.cq = _StuckReads(lander.channel.stack.cq, release)
+            lander.channel.stack.cq = _Stuck(lander.channel.stack.cq, "poll", release)
             stuck = lander.thread
             deadline = time.monotonic() + lander.channel.WEDGED_S + 10
             while not lander.channel.dead and time.monotonic() < deadline:

@@ -1,6 +1,11 @@
 """The lessons' measuring helpers (fabriclab.course.lesson, figures.spread_panels) and the engine's counter
 benchmark (native/sharing.c), on the default provider with real bytes. Figures are only checked for
 sense (positive, counted), never timed."""
+import ctypes
+import os
+import threading
+import time
+
 import pytest
 
 from fabriclab import fi
@@ -95,10 +100,6 @@ def test_pinning_samples_the_writer_threads_migrations():
 def test_the_migration_watch_counts_the_moves_after_a_thread_pinned_itself():
     """A thread named like a writer pins itself to one CPU, then to another: the watch must see that second
     move as one after pinning (so the engine's pinned runs, which report none, would show one)."""
-    import ctypes
-    import os
-    import threading
-    import time
     if not lesson.MigrationWatch.available() or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs scheduler statistics and two CPUs")
     first, second = sorted(os.sched_getaffinity(0))[:2]
@@ -228,7 +229,6 @@ def test_chapter_runs_take_the_progressions_switches_and_name_unknown_chapters()
 
 
 def test_noisy_neighbour_runs_while_open_and_is_gone_after():
-    import os
     with lesson.NoisyNeighbour(work_ms=1, rest_ms=1) as n:
         assert n.process.poll() is None
         pid = n.process.pid
