@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _native, control, fi, gpu, gpucopy, ipc, shmclean
-from .errors import PeerLost, RegionClosed, StagingFailed
+from .errors import InvalidDescriptor, PeerLost, RegionClosed, StagingFailed
 from .staged import finisher
 from .transfer import Safety, Transfer
 from .wire import IpcRoute, PeerRegion
@@ -70,6 +70,20 @@ def _unmap(device: int, handle: bytes) -> None:
             del _MAPPINGS[(device, handle)]
             d = gpu.require_cuda()
             d.cuIpcCloseMemHandle(known[0])
+
+
+def _check_mapping(device: int, base: int, offered: IpcRoute, length: int) -> None:
+    """InvalidDescriptor unless the region a descriptor names (``length`` bytes at ``offered.offset``) lies in
+    the allocation that opened at ``base``. The descriptor's own ``alloc_bytes`` is the sender's word: a copy
+    sized by it alone could run past the mapping, which kills this process's CUDA context (or, where the
+    address past it is mapped, writes this process's own memory)."""
+    d = gpu.require_cuda()
+    gpu.primary_context(device)
+    start, size = gpu.check(d.cuMemGetAddressRange(base), "cuMemGetAddressRange")
+    if int(start) != base or offered.offset + length > int(size):
+        raise InvalidDescriptor(f"the CUDA IPC section puts the region ({length} bytes at offset {offered.offset}) "
+                                f"outside the allocation that opened here ({int(size)} bytes at "
+                                f"{int(start) - base:+d} from its handle's base): a forged or stale descriptor")
 
 
 PEER_CHECK_S = 0.25  # how often a route's peer process is looked up in /proc (a gone one fails its copies)
@@ -211,12 +225,19 @@ class IpcPath:
             target = Region._of(remote)
             if target is None:
                 return "the peer region is not in this process any more"
+            if remote.length > target.length:
+                raise InvalidDescriptor(f"the descriptor claims {remote.length} bytes of a region of {target.length}")
             return _Route(local.device, target.pointer, gates, offered.gate_slot, offered.key, offered.address,
                           remote.engine_id, None, None)
         try:
             base = _map(local.device, offered.handle)
         except gpu.CudaError as exc:
             return f"the peer's GPU memory does not open here: {exc}"
+        try:
+            _check_mapping(local.device, base, offered, remote.length)
+        except BaseException:
+            _unmap(local.device, offered.handle)
+            raise
         return _Route(local.device, base + offered.offset, gates, offered.gate_slot, offered.key, offered.address,
                       remote.engine_id, peer.process, offered.handle)
 

@@ -1,6 +1,7 @@
 """The CUDA IPC path on a GPU (fabriclab.ipc, fabriclab.ipc_writer): torch CUDA tensors on both sides, in two
 processes and in one, byte-exact with permuted pages; a target that frees its memory; a target killed
 mid-transfer; the path turned off. Marked ``gpu``: skipped (saying so) where there is no CUDA GPU and torch."""
+import dataclasses
 import hashlib
 import os
 import signal
@@ -9,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from fabriclab import Engine, PeerLost, RegionClosed, bootstrap, gpu, memory
+from fabriclab import Engine, InvalidDescriptor, PeerLost, RegionClosed, bootstrap, gpu, memory, wire
 from helpers import Child, python
 
 torch = pytest.importorskip("torch") if gpu.cuda_status() == "ok" else None
@@ -63,6 +64,49 @@ def test_two_processes_copy_through_cuda_ipc_byte_exact(writer, pages, page, per
         stats = writer.stats()["cuda_ipc"]
         assert stats["transfers"] == 2 and stats["launches"] == 2 and stats["bytes"] == 2 * nbytes
         assert result.writes == pages  # one copy a page, all in one launch
+
+
+def forged(descriptor, length, alloc_bytes):
+    """``descriptor`` (a plain GPU region's, sealed anew) claiming ``length`` bytes in an allocation of
+    ``alloc_bytes``: what a hostile or confused target could hand a writer."""
+    r = wire.decode_region(descriptor)
+    return wire.encode_region(r.engine_id, r.region_id, length, r.bases, r.keys,
+                              dataclasses.replace(r.ipc, alloc_bytes=alloc_bytes))
+
+
+def test_a_descriptor_claiming_more_than_the_opened_allocation_is_refused_and_the_gpu_stays_usable(writer):
+    """Issue 31, item 12: the region is checked against the allocation that actually opened here
+    (cuMemGetAddressRange), not the size the descriptor claims; a copy past the mapping would kill this
+    process's CUDA context."""
+    pages, page = 2, MiB
+    with Target(pages * page) as target:
+        source = source_pages(21, 64 * page)
+        region = writer.register(source)
+        peer = writer.connect(target.address)
+        lie = forged(target.descriptor, 64 * page, 128 * 64 * page)
+        with pytest.raises(InvalidDescriptor, match="outside the allocation that opened here"):
+            peer.write_pages(region, np.arange(64), lie, np.arange(64), page, imm=3).result(30)
+        with pytest.raises(InvalidDescriptor):
+            peer.route(region, lie)
+        # the honest descriptor still works, and this process's CUDA context with it
+        peer.write_pages(region, np.arange(pages), target.descriptor, np.arange(pages), page, imm=4).result(30)
+        expect = expected_after(source, np.arange(pages), np.arange(pages), page, pages * page)
+        assert target.ask(f"expect 4 {pages} 20") == f"landed {pages} sha256={expect}"
+        torch.cuda.synchronize()
+        assert writer.stats()["cuda_ipc"]["transfers"] == 1
+
+
+def test_a_descriptor_claiming_more_than_a_region_of_this_process_is_refused(writer):
+    with Engine("shm", pin=False, timeout=10) as target_engine:
+        target = torch.zeros(2 * MiB, dtype=torch.uint8, device="cuda")
+        target_region = target_engine.register(target)
+        descriptor = target_region.descriptor()
+        region = writer.register(source_pages(22, 64 * MiB))
+        peer = writer.connect(target_engine.address)
+        with pytest.raises(InvalidDescriptor, match="claims"):
+            peer.write_pages(region, np.arange(64), forged(descriptor, 64 * MiB, 128 * MiB), np.arange(64), MiB)
+        assert peer.route(region, descriptor) == ("cuda-ipc", "")  # the honest one still takes the path
+        torch.cuda.synchronize()
 
 
 def test_byte_ranges_with_stripes_through_cuda_ipc(writer):
