@@ -353,6 +353,29 @@ def test_a_forged_owner_record_never_gets_a_live_region_of_another_pid_namespace
         victim.close()
 
 
+def test_a_record_counts_only_as_a_regular_file_owned_by_the_uid_it_names(tmp_path):
+    """Issue 31, finding 2, wherever not every process is visible: only the record's file tells who made it."""
+    if os.geteuid() != 0:
+        pytest.skip("making another user's files needs root")
+    ns, gone = shmclean._namespace("pid"), 5_000_000  # past any pid_max: no process has it anywhere
+
+    def region_and_record(pid: int, uid: int, owner: int, symlink: bool = False) -> None:
+        (tmp_path / f"{pid}:{uid}:0").touch()  # root's
+        record = tmp_path / f"fabriclab-engine.pidns{ns}.pid{pid}.uid{uid}.start1"
+        if symlink:
+            (tmp_path / "elsewhere").touch()
+            record.symlink_to(tmp_path / "elsewhere")
+        else:
+            record.touch()
+            os.chown(record, owner, owner)
+
+    region_and_record(gone, 0, 0)  # the engine's own
+    region_and_record(gone + 1, 0, NOBODY)  # another user's, naming uid 0
+    region_and_record(gone + 2, 0, 0, symlink=True)  # a link to a file of uid 0
+    region_and_record(gone + 3, NOBODY, NOBODY)  # another user's, naming itself: not for a region root owns
+    assert [r.pid for r in shmclean.find_stale_shm_regions(tmp_path)] == [gone]
+
+
 def test_a_name_with_a_trailing_newline_is_no_region(private_shm):
     """Issue 31, finding 10: libfabric never makes `<pid>:<uid>:<index>\\n`; `clean --force` leaves it."""
     odd = private_shm.dir / f"{unused_pid()}:0:0\n"
