@@ -14,22 +14,32 @@ another namespace looks gone from this one. So there are two levels:
   While a process has NICs open through ``nics.NicSet`` (every Engine, and the course's engine stages) it keeps
   an owner record beside its regions, an empty file
   ``fabriclab-engine.pidns<inode>.pid<pid>.uid<uid>.start<ticks>`` (its pid namespace, pid, real uid and
-  start time in clock ticks after boot). A region ``<pid>:<uid>:<index>`` is reclaimed only when a record made
-  in this pid namespace names its pid and uid and that process is gone: no such pid, or the pid now belongs to
-  a process that started at another time and neither maps the region nor holds it open (a region last modified
-  before the recorded process started is not its either). The record goes with its regions; closing the
-  NICs removes it. Records of other pid namespaces and regions no record covers are left alone, silently.
+  start time in clock ticks after boot). /dev/shm is world-writable, so a name proves nothing: a record is
+  believed only when it is a regular file (not a link) owned by the uid it names, and it speaks only for
+  regions of that uid owned by that uid (anyone else could have made it). A region ``<pid>:<uid>:<index>`` is
+  reclaimed only when a believed record made in this pid namespace names its pid and uid, that process is
+  gone (no such pid, or the pid now belongs to a process that started at another time), and no process that
+  has the pid may have made the region or uses it: in this namespace the pid's present process, and where
+  every process is visible (see ``clean``) every process of another namespace with that pid there too (a
+  region's name does not say its namespace, and a record that names this namespace may have been made in
+  another). A process "may have made" a region when it started before the region was last modified (give or
+  take ``START_SLACK_S``), maps it or holds it open; a region last modified before the recorded process
+  started is not its either. The record goes with its regions; closing the NICs removes it. Records of other
+  pid namespaces and regions no record covers are left alone, silently.
 * ``python -m fabriclab clean`` also judges regions no record covers (course stages, other libfabric programs,
   engines of pid namespaces that ended), but only where it sees every owner: in the host's (initial) pid
   namespace, with a /proc of its own that hides no process. There every process's pid in its own namespace
-  is known (NSpid), and a region is stale when no process has its pid in any namespace, or each that has is
-  another process: it started more than ``START_SLACK_S`` after the region was last modified (a process
-  cannot have made a file before it started) *and* it neither maps the region nor holds it open. Elsewhere
-  ``clean`` lists such regions as left, says why, and removes them only with ``--force``.
+  is known (NSpid), and a region is stale when no process has its pid in any namespace, or none that has may
+  have made it (as above). Elsewhere ``clean`` lists such regions as left, says why, and removes them only
+  with ``--force``.
 
 Files are checked to be shm regions: a name of the shape above and the creator's pid in the region's header
 (or 0, when it died before finishing the header). This module imports nothing from the course stages: the
 Engine, ``info``, ``clean`` and ``doctor`` all use it.
+
+Each call (an Engine start, ``info``, ``clean``) lists the directory once and reads each process's open files
+at most once, so its cost grows with the number of files in it, whatever was planted there, not with its
+square. Names are matched whole (a name with a trailing newline is no region's nor record's).
 """
 from __future__ import annotations
 
@@ -50,13 +60,13 @@ SHM_DIR = Path("/dev/shm")
 #: than the region was last modified (process start times are known to a clock tick, file times to the ns)
 START_SLACK_S = 1.0
 # The shm provider names an endpoint's region after getpid(), getuid() and the endpoint's index in the process.
-_REGION_NAME = re.compile(r"^(?P<pid>[1-9][0-9]*):(?P<uid>[0-9]+):(?P<index>[0-9]+)$")
+_REGION_NAME = re.compile(r"(?P<pid>[1-9][0-9]*):(?P<uid>[0-9]+):(?P<index>[0-9]+)")  # fullmatch: whole name
 # struct smr_region begins with version, reserved, flags, then the creator's pid, written last ("set last to
 # signal full initialization to peers" in libfabric's smr_create).
 _REGION_HEADER = struct.Struct("=BBHi")
 _RECORD_PREFIX = "fabriclab-engine."
-_RECORD_NAME = re.compile(r"^fabriclab-engine\.pidns(?P<ns>[0-9]+)\.pid(?P<pid>[1-9][0-9]*)\.uid(?P<uid>[0-9]+)"
-                          r"\.start(?P<start>[0-9]+)$")
+_RECORD_NAME = re.compile(r"fabriclab-engine\.pidns(?P<ns>[0-9]+)\.pid(?P<pid>[1-9][0-9]*)\.uid(?P<uid>[0-9]+)"
+                          r"\.start(?P<start>[0-9]+)")  # fullmatch, like _REGION_NAME
 # The kernel's fixed inode numbers of the initial pid and IPC namespaces (PROC_PID_INIT_INO, PROC_IPC_INIT_INO).
 _INITIAL_NAMESPACE = {"pid": 0xEFFFFFFC, "ipc": 0xEFFFFFFF}
 
@@ -82,38 +92,27 @@ class Cleaning:
 
 def find_stale_shm_regions(shm_dir: str | Path = SHM_DIR) -> list[StaleRegion]:
     """The regions in ``shm_dir`` that automatic reclamation takes (see the module's notes); removes nothing."""
-    return [region for record in _records_of_gone_engines(Path(shm_dir)) for region in record.stale]
+    return [region for record in _Judge(Path(shm_dir)).gone_engines() for region in record.stale]
 
 
 def reclaim_stale_shm_regions(dry_run: bool = False, shm_dir: str | Path = SHM_DIR) -> list[StaleRegion]:
     """Remove the regions of fabriclab engines of this pid namespace whose process is gone, and their records;
     returns the regions removed (with ``dry_run``, those that would be). Never raises for a region it cannot
     judge or remove: it leaves it."""
-    removed = []
-    for record in _records_of_gone_engines(Path(shm_dir)):
-        if dry_run:
-            removed += record.stale
-            continue
-        # Judged again right before each unlink: the file may have been reclaimed by someone else or reused by
-        # a new endpoint of the same name since the scan.
-        removed += [r for r in (_unlink(r.path, record.judge) for r in record.stale) if r is not None]
-        if not [r for r in record.stale if record.judge(Path(r.path)) is not None]:
-            _unlink_record(record.path)  # it has done its job (a region it could not remove keeps it)
-    return removed
+    return _Judge(Path(shm_dir)).reclaim(dry_run)
 
 
 def clean_shm_regions(dry_run: bool = False, force: bool = False, shm_dir: str | Path = SHM_DIR) -> Cleaning:
     """What ``python -m fabriclab clean`` does: the automatic reclamation, then the regions no record of this
     namespace covers, judged where every owner is visible (left, with the reason, elsewhere unless ``force``)."""
-    shm_dir = Path(shm_dir)
-    done = Cleaning(removed=reclaim_stale_shm_regions(dry_run, shm_dir), blind=_why_owners_are_hidden())
+    judge = _Judge(Path(shm_dir))
+    done = Cleaning(removed=judge.reclaim(dry_run), blind=_why_owners_are_hidden())
     taken = {r.path for r in done.removed}
-    owners = None if done.blind else _pids_in_every_namespace()
 
     def verdict(path: Path) -> StaleRegion | None:
-        return _region(path, lambda pid, info: _why_unowned(pid, info, owners))
+        return _region(path, judge.unowned_verdict)
 
-    for path in _region_paths(shm_dir):
+    for path in judge.region_paths():
         region = None if str(path) in taken else verdict(path)
         if region is None:
             continue
@@ -124,8 +123,8 @@ def clean_shm_regions(dry_run: bool = False, force: bool = False, shm_dir: str |
         else:
             region = _unlink(region.path, verdict)
             done.removed += [region] if region is not None else []
-    if owners is not None and not dry_run:
-        _unlink_records_of_gone_owners(shm_dir, owners)
+    if not done.blind and not dry_run:
+        judge.unlink_records_of_gone_owners()
     return done
 
 
@@ -140,15 +139,15 @@ def shared_pid_namespaces(shm_dir: str | Path = SHM_DIR) -> str | None:
     """What shows that ``shm_dir`` is shared with processes of other pid namespaces, or None when nothing does."""
     here = _namespace("pid")
     signs = []
-    others = {r.ns for r in _records(Path(shm_dir)) if r.ns != here}
+    listing = _Judge(Path(shm_dir))
+    others = {r.ns for r in listing.records if r.ns != here}
     if others:
         signs.append(f"records of fabriclab engines of {len(others)} other pid namespace(s)")
     if here is not None and here != _INITIAL_NAMESPACE["pid"]:
         if _namespace("ipc") == _INITIAL_NAMESPACE["ipc"]:
             signs.append("this process has a pid namespace of its own but the host's IPC namespace (a container "
                          "run with --ipc=host), whose /dev/shm is usually the host's")
-        unseen = sorted({int(m["pid"]) for m in map(_REGION_NAME.match, _names(Path(shm_dir)))
-                         if m and not Path(f"/proc/{m['pid']}").exists()})
+        unseen = sorted({pid for pid, _ in listing.regions if not Path(f"/proc/{pid}").exists()})
         if unseen:
             signs.append(f"{len(unseen)} shm region owner(s) not visible here (pid {_short_list(unseen)})")
     if not signs:
@@ -194,10 +193,15 @@ def _write_record() -> str | None:
         return None
     path = SHM_DIR / f"{_RECORD_PREFIX}pidns{ns}.pid{os.getpid()}.uid{os.getuid()}.start{start}"
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
     except OSError:
         return None
-    return str(path)
+    # A file of this name that another user made first is not believed (_believed): no record, then.
+    return str(path) if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() else None
 
 
 @dataclass
@@ -209,64 +213,27 @@ class _Record:
     start: int  # clock ticks after boot
     stale: list[StaleRegion] = field(default_factory=list)
 
-    def judge(self, path: Path) -> StaleRegion | None:
-        """The region at ``path`` if it is this gone engine's and stale."""
-        return _region(path, lambda pid, info: _recorded_verdict(info, self))
 
-
-def _records(shm_dir: Path) -> list[_Record]:
-    found = []
-    for name in _names(shm_dir):
-        match = _RECORD_NAME.match(name)
-        if match:
-            ns, pid, uid, start = (int(match[k]) for k in ("ns", "pid", "uid", "start"))
-            found.append(_Record(str(shm_dir / name), ns, pid, uid, start))
-    return found
-
-
-def _records_of_gone_engines(shm_dir: Path) -> list[_Record]:
-    """This pid namespace's records whose process is gone, each with its stale regions. None at all where
-    /proc is not this namespace's: every pid read there would be another namespace's."""
-    here = _namespace("pid")
-    if here is None or not _proc_is_ours():
-        return []
-    gone = []
-    names = _names(shm_dir)
-    for record in _records(shm_dir):
-        if record.ns != here or _recorded_owner_alive(record):
-            continue
-        regions = (record.judge(shm_dir / n) for n in names if n.startswith(f"{record.pid}:{record.uid}:"))
-        record.stale = [r for r in regions if r is not None]
-        gone.append(record)
-    return gone
+def _believed(entry: os.DirEntry[str]) -> _Record | None:
+    """The owner record ``entry`` is, if its name is one's and the file is a regular file (lstat: not a link)
+    owned by the uid the name states: in a world-writable /dev/shm anyone can make a file of any name, but only
+    that uid (or root) one that it owns."""
+    match = _RECORD_NAME.fullmatch(entry.name)
+    if match is None:
+        return None
+    ns, pid, uid, start = (int(match[k]) for k in ("ns", "pid", "uid", "start"))
+    try:
+        info = entry.stat(follow_symlinks=False)
+    except OSError:  # gone meanwhile
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+        return None
+    return _Record(entry.path, ns, pid, uid, start)
 
 
 def _recorded_owner_alive(record: _Record) -> bool:
     started = _start_ticks(record.pid)
     return started is not None and started in (record.start, _UNREADABLE)
-
-
-def _recorded_verdict(info: os.stat_result, record: _Record) -> str | None:
-    """Why a region named after a gone recorded engine is stale, or None when it may not be that engine's."""
-    if max(info.st_mtime_ns, info.st_ctime_ns) / 1e9 < _ticks_to_time(record.start) - START_SLACK_S:
-        return None  # last modified before that engine started: someone else's
-    started = _start_ticks(record.pid)
-    if started is None:
-        return f"pid {record.pid} is gone"
-    if started in (record.start, _UNREADABLE) or _process_uses(record.pid, info):
-        return None
-    return f"pid {record.pid} is another process (not the engine that made the region, and it does not map it)"
-
-
-def _unlink_records_of_gone_owners(shm_dir: Path, owners: dict[int, list[int]]) -> None:
-    """Where every process is visible: the records (of any pid namespace) whose process is gone and whose
-    regions are gone too (an engine SIGKILLed in a container that then ended leaves one)."""
-    names = set(_names(shm_dir))
-    for record in _records(shm_dir):
-        alive = any(_start_ticks(p) in (record.start, _UNREADABLE) and _namespace("pid", p) in (record.ns, None)
-                    for p in owners.get(record.pid, []))
-        if not alive and not any(n.startswith(f"{record.pid}:{record.uid}:") for n in names):
-            _unlink_record(record.path)
 
 
 def _unlink_record(path: str) -> None:
@@ -279,20 +246,143 @@ def _unlink_record(path: str) -> None:
 # ----------------------------------------------------------------------------------------- judging
 
 
-def _names(shm_dir: Path) -> list[str]:
-    try:
-        return sorted(os.listdir(shm_dir))
-    except OSError:  # no /dev/shm here: nothing can have been left in it
-        return []
+class _Judge:
+    """The judgements of one call (an Engine start, ``info``, ``clean``) over one listing of the shm directory:
+    the directory is listed once, its regions indexed by the (pid, uid) they name, and each process's open
+    files read at most once, so that the cost grows with the number of files there, not with its square,
+    whatever was planted there."""
 
+    def __init__(self, shm_dir: Path) -> None:
+        self.dir = shm_dir
+        self.records: list[_Record] = []  # the owner records believed (_believed)
+        self.regions: dict[tuple[int, int], list[str]] = {}  # region names by the (pid, uid) they state
+        self._owners: dict[int, list[int]] | None = None
+        self._owners_read = False
+        self._files: dict[int, frozenset[tuple[int, int]] | None] = {}
+        try:
+            with os.scandir(shm_dir) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
+        except OSError:  # no /dev/shm here: nothing can have been left in it
+            entries = []
+        for entry in entries:
+            region = _REGION_NAME.fullmatch(entry.name)
+            if region is not None:
+                self.regions.setdefault((int(region["pid"]), int(region["uid"])), []).append(entry.name)
+            elif (record := _believed(entry)) is not None:
+                self.records.append(record)
 
-def _region_paths(shm_dir: Path) -> list[Path]:
-    return [shm_dir / name for name in _names(shm_dir) if _REGION_NAME.match(name)]
+    def region_paths(self) -> list[Path]:
+        return sorted(self.dir / name for names in self.regions.values() for name in names)
+
+    def gone_engines(self) -> list[_Record]:
+        """This pid namespace's records whose process is gone, each with its stale regions. None at all where
+        /proc is not this namespace's: every pid read there would be another namespace's."""
+        here = _namespace("pid")
+        if here is None or not _proc_is_ours():
+            return []
+        gone = [r for r in self.records if r.ns == here and not _recorded_owner_alive(r)]
+        judged: set[tuple[int, int]] = set()
+        for record in sorted(gone, key=lambda r: r.start):
+            # Regions of one pid and uid are judged once, under its earliest gone engine: a later one's verdict
+            # differs only in taking fewer (those last modified before it started are not its).
+            if (record.pid, record.uid) not in judged:
+                judged.add((record.pid, record.uid))
+                regions = (self.dir / n for n in self.regions.get((record.pid, record.uid), []))
+                record.stale = [r for r in map(self.judge_by(record), regions) if r is not None]
+        return gone
+
+    def reclaim(self, dry_run: bool) -> list[StaleRegion]:
+        """Remove the gone engines' stale regions (unless ``dry_run``), and each record once none is left."""
+        removed = []
+        for record in self.gone_engines():
+            if dry_run:
+                removed += record.stale
+                continue
+            # Judged again right before each unlink: the file may have been reclaimed by someone else or reused
+            # by a new endpoint of the same name since the scan.
+            judge = self.judge_by(record)
+            removed += [r for r in (_unlink(r.path, judge) for r in record.stale) if r is not None]
+            if not [r for r in record.stale if judge(Path(r.path)) is not None]:
+                _unlink_record(record.path)  # it has done its job (a region it could not remove keeps it)
+        return removed
+
+    def judge_by(self, record: _Record) -> Callable[[Path], StaleRegion | None]:
+        """What judges a region named after ``record``'s gone engine: the region if it is stale, else None."""
+        return lambda path: _region(path, lambda pid, info: self.recorded_verdict(record, info))
+
+    def recorded_verdict(self, record: _Record, info: os.stat_result) -> str | None:
+        """Why a region named after a gone recorded engine is stale, or None when it may be someone else's."""
+        if info.st_uid != record.uid:
+            return None  # a record speaks only for its own uid's files (anyone may make one of a name)
+        if _last_modified(info) < _ticks_to_time(record.start) - START_SLACK_S:
+            return None  # last modified before that engine started: someone else's
+        if self.may_be_maker(record.pid, info) or self._made_elsewhere(record, info):
+            return None
+        if _start_ticks(record.pid) is None:
+            return f"pid {record.pid} is gone"
+        return (f"pid {record.pid} is another process (not the engine that made the region: it started after the "
+                "region was last modified, and it does not map it)")
+
+    def _made_elsewhere(self, record: _Record, info: os.stat_result) -> bool:
+        """Whether a process of another pid namespace whose pid there is the record's may have made the region
+        (a region's name does not say its pid namespace); where not every process is visible, none is seen."""
+        owners = self.owners()
+        return owners is not None and any(_namespace("pid", p) != record.ns and self.may_be_maker(p, info)
+                                          for p in owners.get(record.pid, []))
+
+    def unowned_verdict(self, pid: int, info: os.stat_result) -> str | None:
+        """Why a region named after ``pid`` has no owner left: judged among every process whose pid in its own
+        namespace is ``pid``, where every process is visible, else among this namespace's."""
+        owners = self.owners()
+        where = "in any pid namespace on this host" if owners is not None else "in this pid namespace"
+        if owners is None:
+            owners = {pid: [pid]} if _start_ticks(pid) is not None else {}
+        candidates = owners.get(pid, [])
+        if not candidates:
+            return f"no process has pid {pid} {where}"
+        if any(self.may_be_maker(p, info) for p in candidates):
+            return None
+        return (f"pid {pid} {where} is another process (started more than {START_SLACK_S:g} s after the region was "
+                "last modified, and does not map it)")
+
+    def may_be_maker(self, pid: int, info: os.stat_result) -> bool:
+        """Whether the process /proc shows as ``pid`` may have made the region ``info`` describes, or uses it:
+        it started before the region was last modified (a process cannot have made a file before it started),
+        or it maps the region or holds it open; True when that cannot be read, False when there is no such
+        process (it ended meanwhile)."""
+        started = _start_ticks(pid)
+        if started is None:
+            return False
+        if started == _UNREADABLE or _ticks_to_time(started) <= _last_modified(info) + START_SLACK_S:
+            return True
+        if pid not in self._files:
+            self._files[pid] = _files_in_use(pid)
+        files = self._files[pid]
+        return files is None or (info.st_dev, info.st_ino) in files
+
+    def owners(self) -> dict[int, list[int]] | None:
+        """Every process by its pid in its own pid namespace (read when first needed), or None where this
+        process cannot see every process (_why_owners_are_hidden)."""
+        if not self._owners_read:
+            self._owners = None if _why_owners_are_hidden() else _pids_in_every_namespace()
+            self._owners_read = True
+        return self._owners
+
+    def unlink_records_of_gone_owners(self) -> None:
+        """Where every process is visible: the records (of any pid namespace) whose process is gone and whose
+        regions are gone too (an engine SIGKILLed in a container that then ended leaves one)."""
+        owners = self.owners() or {}
+        left = {key for key, names in self.regions.items() if any(os.path.lexists(self.dir / n) for n in names)}
+        for record in self.records:
+            alive = any(_start_ticks(p) in (record.start, _UNREADABLE) and _namespace("pid", p) in (record.ns, None)
+                        for p in owners.get(record.pid, []))
+            if not alive and (record.pid, record.uid) not in left:
+                _unlink_record(record.path)
 
 
 def _region(path: Path, why_stale: Callable[[int, os.stat_result], str | None]) -> StaleRegion | None:
     """The region at ``path`` if it is a shm-provider region and ``why_stale(pid, stat)`` gives a reason."""
-    match = _REGION_NAME.match(path.name)
+    match = _REGION_NAME.fullmatch(path.name)
     if match is None:
         return None
     pid = int(match["pid"])
@@ -328,28 +418,6 @@ def _unlink(path: str, verdict: Callable[[Path], StaleRegion | None]) -> StaleRe
     except OSError:  # gone already (another cleaner), or not ours to remove (another user's, sticky /dev/shm)
         return None
     return again
-
-
-def _why_unowned(pid: int, info: os.stat_result, owners: dict[int, list[int]] | None) -> str | None:
-    """Why a region named after ``pid`` has no owner left: judged among every process whose pid in its own
-    namespace is ``pid`` (``owners``, where every process is visible), else among this namespace's."""
-    where = "in any pid namespace on this host" if owners is not None else "in this pid namespace"
-    if owners is None:
-        owners = {pid: [pid]} if _start_ticks(pid) is not None else {}
-    candidates = owners.get(pid, [])
-    if not candidates:
-        return f"no process has pid {pid} {where}"
-    last_modified = max(info.st_mtime_ns, info.st_ctime_ns) / 1e9
-    for host_pid in candidates:
-        started = _start_ticks(host_pid)
-        if started is None:
-            continue  # it ended meanwhile
-        if started == _UNREADABLE or _ticks_to_time(started) <= last_modified + START_SLACK_S:
-            return None  # the process may well be the creator
-        if _process_uses(host_pid, info):
-            return None
-    return (f"pid {pid} {where} is another process (started more than {START_SLACK_S:g} s after the region was "
-            "last modified, and does not map it)")
 
 
 def _why_owners_are_hidden() -> str:
@@ -459,30 +527,34 @@ def _ticks_to_time(ticks: int) -> float:
     return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 
 
-def _process_uses(pid: int, info: os.stat_result) -> bool:
-    """Whether ``pid`` maps the region's file or holds it open; True when that cannot be read (no
-    permission), so a region is never removed on a guess."""
-    # Compared by device and inode, not by name: the path seen here may differ from the owner's (a mount
-    # namespace, /proc/PID/root/...), and a region unlinked meanwhile shows as "(deleted)".
-    device = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}"
+def _last_modified(info: os.stat_result) -> float:
+    return max(info.st_mtime_ns, info.st_ctime_ns) / 1e9
+
+
+def _files_in_use(pid: int) -> frozenset[tuple[int, int]] | None:
+    """The (device, inode) of every file ``pid`` maps or holds open; None when that cannot be read (no
+    permission), so that a region is never removed on a guess; empty when the process ended meanwhile."""
+    # By device and inode, not by name: the path seen here may differ from the owner's (a mount namespace,
+    # /proc/PID/root/...), and a region unlinked meanwhile shows as "(deleted)".
+    files = set()
     try:
         with open(f"/proc/{pid}/maps") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
-                if len(fields) >= 5 and fields[3] == device and int(fields[4]) == info.st_ino:
-                    return True
+                if len(fields) >= 5 and fields[4] != "0":
+                    major, minor = fields[3].split(":")
+                    files.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
         for fd in os.listdir(f"/proc/{pid}/fd"):
             try:
                 target = os.stat(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-            if (target.st_dev, target.st_ino) == (info.st_dev, info.st_ino):
-                return True
+            files.add((target.st_dev, target.st_ino))
     except FileNotFoundError:
-        return False  # it ended meanwhile
+        return frozenset()
     except (OSError, ValueError):
-        return True
-    return False
+        return None
+    return frozenset(files)
 
 
 def _mib(nbytes: int) -> str:

@@ -188,16 +188,21 @@ def test_a_live_owner_in_another_pid_namespace_keeps_its_region_and_its_writes(s
         shm_check = [c for c in json.loads(done.stdout)["checks"] if c["item"] == "/dev/shm"]
         assert shm_check and "shared across pid namespaces" in shm_check[0]["found"], done.stdout
 
-        packed = bootstrap.pack(owner.address, owner.descriptor).hex()
-        done = subprocess.run([*shared_shm.launcher, sys.executable, WRITER, "shm", "-", packed, "16", "9"],
-                              capture_output=True, text=True, timeout=60)
-        assert done.stdout.strip() == "wrote 16", done.stdout + done.stderr
-        want = hashlib.sha256(np.full(16 * PAGE, 9, dtype=np.uint8)).hexdigest()
-        assert owner.ask("expect 9 16 10") == f"landed 16 sha256={want}"
+        assert_a_new_writer_lands(shared_shm, owner)
         assert shared_shm.records()  # the live owner's, until it closes
     finally:
         owner.close()
     assert shared_shm.regions_of(owner.proc.pid) == [] and shared_shm.records() == []
+
+
+def assert_a_new_writer_lands(shm: PrivateShm, owner: PeerProcess) -> None:
+    """A writer that connects to ``owner`` now (it opens the owner's region by name) lands 16 pages there."""
+    packed = bootstrap.pack(owner.address, owner.descriptor).hex()
+    done = subprocess.run([*shm.launcher, sys.executable, WRITER, "shm", "-", packed, "16", "9"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "wrote 16", done.stdout + done.stderr
+    want = hashlib.sha256(np.full(16 * PAGE, 9, dtype=np.uint8)).hexdigest()
+    assert owner.ask("expect 9 16 10") == f"landed 16 sha256={want}"
 
 
 def test_an_engine_start_reclaims_a_killed_engine_of_its_namespace_and_its_record(shared_shm):
@@ -301,3 +306,127 @@ def test_the_record_lasts_as_long_as_the_process_has_an_engine_open(private_shm)
     done = private_shm.python("-c", TWO_ENGINES)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:-1] == ["records 1", "records 1", "records 1", "records 0"]
+
+
+# ------------------------------------------------------------------------------ files anyone can plant (issue 31)
+
+NOBODY = 65534  # an unprivileged uid
+
+
+@pytest.mark.parametrize("forger, victim_pid", [
+    # Another user names this namespace, the victim's pid (2: the namespace's second process) and uid 0: only
+    # the record's owner (not the uid it names) gives it away; pid 2 here is another process (kthreadd).
+    (NOBODY, 2),
+    # The region's own uid names a pid that no process has here: only the process that has it in another pid
+    # namespace (seen where every process is visible, NSpid) saves the region.
+    (0, "unused")])
+def test_a_forged_owner_record_never_gets_a_live_region_of_another_pid_namespace_removed(shared_shm, forger,
+                                                                                        victim_pid):
+    """Issue 31, finding 2: an engine in a pid namespace of its own shares /dev/shm; a file named like an owner
+    record of this namespace for its pid and uid gets neither an Engine start, `info` nor `clean` here to remove
+    its live region, and a new writer's pages still land in it."""
+    if forger == 0 and shmclean._why_owners_are_hidden():
+        pytest.skip(f"this process does not see every process: {shmclean._why_owners_are_hidden()}")
+    pid = unused_pid() if victim_pid == "unused" else victim_pid
+    # The namespace's init (sh) runs the victim as its next process: pid 2, or the pid chosen.
+    choose = f"echo {pid - 1} > /proc/sys/kernel/ns_last_pid && " if pid != 2 else ""
+    victim = PeerProcess(("shm", None), 16 * PAGE, launcher=[*shared_shm.launcher, *CHILD_PID_NAMESPACE, "sh", "-c",
+                                                            f'{choose}"$@"; :', "sh"])
+    try:
+        regions = shared_shm.regions_of(pid)
+        assert regions and all(Path(r).name.split(":")[1] == "0" for r in regions), os.listdir(shared_shm.dir)
+        # Started at boot: gone (or another process) here, and before the region was made.
+        start = 2 if shmclean._start_ticks(pid) == 1 else 1
+        record = f"fabriclab-engine.pidns{shmclean._namespace('pid')}.pid{pid}.uid0.start{start}"
+        subprocess.run([*shared_shm.launcher, "setpriv", f"--reuid={forger}", f"--regid={forger}", "--clear-groups",
+                        "touch", f"/dev/shm/{record}"], check=True, timeout=30)
+        assert record in shared_shm.records() and (shared_shm.dir / record).stat().st_uid == forger
+
+        for argv in (["-c", "from fabriclab import Engine; Engine('shm').close()"], ["-m", "fabriclab", "info"],
+                     ["-m", "fabriclab", "clean"]):
+            done = shared_shm.python(*argv)
+            assert done.returncode == 0, done.stderr
+            assert "removed" not in done.stdout and "reclaimed" not in done.stdout, (argv, done.stdout)
+            assert shared_shm.regions_of(pid) == regions, argv
+        assert_a_new_writer_lands(shared_shm, victim)
+    finally:
+        victim.close()
+
+
+def test_a_record_counts_only_as_a_regular_file_owned_by_the_uid_it_names(tmp_path):
+    """Issue 31, finding 2, wherever not every process is visible: only the record's file tells who made it."""
+    if os.geteuid() != 0:
+        pytest.skip("making another user's files needs root")
+    ns, gone = shmclean._namespace("pid"), 5_000_000  # past any pid_max: no process has it anywhere
+
+    def region_and_record(pid: int, uid: int, owner: int, symlink: bool = False) -> None:
+        (tmp_path / f"{pid}:{uid}:0").touch()  # root's
+        record = tmp_path / f"fabriclab-engine.pidns{ns}.pid{pid}.uid{uid}.start1"
+        if symlink:
+            (tmp_path / "elsewhere").touch()
+            record.symlink_to(tmp_path / "elsewhere")
+        else:
+            record.touch()
+            os.chown(record, owner, owner)
+
+    region_and_record(gone, 0, 0)  # the engine's own
+    region_and_record(gone + 1, 0, NOBODY)  # another user's, naming uid 0
+    region_and_record(gone + 2, 0, 0, symlink=True)  # a link to a file of uid 0
+    region_and_record(gone + 3, NOBODY, NOBODY)  # another user's, naming itself: not for a region root owns
+    assert [r.pid for r in shmclean.find_stale_shm_regions(tmp_path)] == [gone]
+
+
+def test_a_name_with_a_trailing_newline_is_no_region(private_shm):
+    """Issue 31, finding 10: libfabric never makes `<pid>:<uid>:<index>\\n`; `clean --force` leaves it."""
+    odd = private_shm.dir / f"{unused_pid()}:0:0\n"
+    odd.write_bytes(b"")
+    done = private_shm.run("clean", "--force")
+    assert done.returncode == 0, done.stderr
+    assert odd.exists() and "removed" not in done.stdout, done.stdout
+
+
+def plant(directory: Path, n: int) -> None:
+    """``n`` files another user made: half owner records forged for uid 0, half owner records of its own with a
+    region each, all of engines long gone (pids past any pid_max) of this pid namespace."""
+    ns = shmclean._namespace("pid")
+    for i in range(n):
+        pid = 5_000_000 + i
+        names = ([f"fabriclab-engine.pidns{ns}.pid{pid}.uid0.start1"] if i % 2 else
+                 [f"fabriclab-engine.pidns{ns}.pid{pid}.uid{NOBODY}.start1", f"{pid}:{NOBODY}:0"])
+        for name in names:
+            (directory / name).touch()
+            os.chown(directory / name, NOBODY, NOBODY)
+
+
+def work_of_reclaiming(directory: Path) -> tuple[int, int]:
+    """(directory listings, Python and builtin calls) that judging ``directory`` as an Engine start does (dry)."""
+    listings = calls = 0
+
+    def count(frame, event, arg):
+        nonlocal listings, calls
+        calls += event in ("call", "c_call")
+        listings += event == "c_call" and arg in (os.listdir, os.scandir)
+
+    sys.setprofile(count)
+    try:
+        shmclean.reclaim_stale_shm_regions(dry_run=True, shm_dir=directory)
+    finally:
+        sys.setprofile(None)
+    return listings, calls
+
+
+def test_planted_files_cost_an_engine_start_linear_work(tmp_path):
+    """Issue 31, finding 7: each gone record scanned every name in /dev/shm, so N planted record-like files cost
+    an Engine start N² work (18 s for 8,000). Counted, not timed: four times the files cost at most about four
+    times the calls, and no more directory listings."""
+    if os.geteuid() != 0:
+        pytest.skip("planting another user's files needs root")
+    small, big = tmp_path / "small", tmp_path / "big"
+    small.mkdir()
+    big.mkdir()
+    plant(small, 500)
+    plant(big, 2000)
+    (small_listings, small_calls), (big_listings, big_calls) = work_of_reclaiming(small), work_of_reclaiming(big)
+    assert big_listings == small_listings <= 2  # the directory's, and /proc's (every process's pids) once
+    assert big_calls < 5 * small_calls, (small_calls, big_calls)  # linear: < 4x (a fixed part); quadratic: ~15x
+    assert [r.pid for r in shmclean.find_stale_shm_regions(big)] == [5_000_000 + i for i in range(0, 2000, 2)]
