@@ -653,6 +653,93 @@ static void check_write_verified(void) {
     free(dst);
 }
 
+/* ------------------------------------------------------------------- failed writes' error completions */
+
+enum { FAILED_WRITES = 1000, TX_DEPTH = 4096 };
+
+/* Read error completions with fi_cq_readerr alone (no fi_cq_read between) until `want` came or TIMEOUT_MS * 2
+ * passed: each must be a refused write (FI_EKEYREJECTED) of context 1..want, read once. Returns how many came. */
+static int read_failed_writes(struct fid_cq *cq, int want) {
+    static unsigned char seen[FAILED_WRITES + 1];
+    memset(seen, 0, sizeof seen);
+    int errors = 0;
+    uint64_t deadline = now_ms() + 2 * TIMEOUT_MS; /* a bound on a hang, not a speed: errors are due at once */
+    while (errors < want && now_ms() < deadline) {
+        struct fi_cq_err_entry err = {0};
+        if (fi_cq_readerr(cq, &err, 0) != 1) continue;
+        uintptr_t at = (uintptr_t)err.op_context;
+        CHECK(err.err == FI_EKEYREJECTED && at >= 1 && at <= (uintptr_t)want && !seen[at],
+              "error %d (%s) context %p", err.err, fi_strerror(err.err), err.op_context);
+        if (at >= 1 && at <= (uintptr_t)want) seen[at] = 1;
+        errors++;
+        /* libfabric's rule: while an error is available, fi_cq_read answers -FI_EAVAIL */
+        struct fi_cq_data_entry e;
+        if (errors == 1) EXPECT(fi_cq_read(cq, &e, 1), -FI_EAVAIL);
+    }
+    return errors;
+}
+
+/* Sends (more than the transmit queue holds) complete and arrive once the errors are read: normal reads resume.
+ * With nothing older in the queue (`extra` 0) the failed writes' transmit slots are all free: it takes as many
+ * sends as it holds before any poll. The `extra` older operations' completions come among the sends'. */
+static void sends_complete(struct pair *p, int sends, int extra) {
+    static char msg[64], landing[64];
+    int posted = 0, done = 0, received = 0;
+    for (int i = 0; i < sends; i++) EXPECT(fi_recv(p->y.ep, landing, sizeof landing, NULL, FI_ADDR_UNSPEC, NULL), 0);
+    while (posted < sends && fi_send(p->x.ep, msg, sizeof msg, NULL, p->to_y, NULL) == 0) posted++;
+    CHECK(extra || posted == TX_DEPTH, "%d sends taken before a poll: the failed writes' transmit slots are not free",
+          posted);
+    uint64_t deadline = now_ms() + 2 * TIMEOUT_MS;
+    while ((done < sends + extra || received < sends) && now_ms() < deadline) {
+        while (posted < sends && fi_send(p->x.ep, msg, sizeof msg, NULL, p->to_y, NULL) == 0) posted++;
+        struct fi_cq_data_entry e[16];
+        ssize_t n = fi_cq_read(p->cqa, e, 16);
+        if (n > 0) done += (int)n;
+        CHECK(n > 0 || n == -FI_EAGAIN, "fi_cq_read during the sends: %zd (%s)", n, fi_strerror((int)-n));
+        if (n < 0 && n != -FI_EAGAIN) return;
+        n = fi_cq_read(p->cqb, e, 16);
+        if (n > 0) received += (int)n;
+    }
+    CHECK(posted == sends && done == sends + extra && received == sends,
+          "%d of %d sends posted, %d of %d completions, %d received", posted, sends, done, sends + extra, received);
+}
+
+/* 1,000 writes the remote NIC refuses (a bad key), behind a write whose doorbell has not rung (FI_MORE), then
+ * alone: every error completion is due at its post, waits for no older operation (no ordering promise) and
+ * is readable through fi_cq_readerr alone, also past the CQ's 256 error entries. After them fi_cq_read
+ * answers -FI_EAGAIN (no error left), and more sends than the transmit queue holds complete, the held write
+ * among them once the first send rings the doorbell. */
+static void check_failed_writes(void) {
+    struct pair p;
+    pair_open(&p);
+    static char src[64], dst[4096];
+    struct fid_mr *md;
+    MUST(fi_mr_reg(p.b.domain, dst, sizeof dst, FI_REMOTE_WRITE, 0, 0, 0, &md, NULL));
+    struct iovec iov = {src, sizeof src};
+    struct fi_rma_iov rma = {(uint64_t)(uintptr_t)dst, sizeof src, fi_mr_key(md)};
+    struct fi_msg_rma msg = {.msg_iov = &iov, .iov_count = 1, .addr = p.to_y, .rma_iov = &rma, .rma_iov_count = 1,
+                             .context = (void *)(uintptr_t)(FAILED_WRITES + 1)};
+    for (int held = 1; held >= 0; held--) {
+        if (held) EXPECT(fi_writemsg(p.x.ep, &msg, FI_COMPLETION | FI_MORE), 0); /* a good write, held */
+        rma.key ^= 1;
+        for (int i = 1; i <= FAILED_WRITES; i++) {
+            msg.context = (void *)(uintptr_t)i;
+            ssize_t rc = fi_writemsg(p.x.ep, &msg, FI_COMPLETION | (held ? FI_MORE : 0));
+            CHECK(rc == 0, "write %d: %zd (%s)", i, rc, fi_strerror((int)-rc));
+            if (rc) break;
+        }
+        rma.key ^= 1;
+        int errors = read_failed_writes(p.cqa, FAILED_WRITES);
+        CHECK(errors == FAILED_WRITES, "%s: %d of %d error completions read", held ? "behind a held write" : "alone",
+              errors, FAILED_WRITES);
+        struct fi_cq_data_entry e;
+        EXPECT(fi_cq_read(p.cqa, &e, 1), -FI_EAGAIN);
+        sends_complete(&p, TX_DEPTH + 1000, held);
+    }
+    EXPECT(fi_close(&md->fid), 0);
+    pair_close(&p);
+}
+
 /* ---------------------------------------------------------- gather and scatter up to the iov limits */
 
 static void check_iov_limits(void) {
@@ -931,6 +1018,7 @@ static const struct { const char *name; void (*run)(void); } checks[] = {
     {"shared_cq", check_shared_cq},
     {"selective_completion", check_selective_completion},
     {"write_verified", check_write_verified},
+    {"failed_writes", check_failed_writes},
     {"iov_limits", check_iov_limits},
     {"getinfo", check_getinfo},
     {"threads", check_threads},

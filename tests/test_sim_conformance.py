@@ -20,7 +20,7 @@ from native_build import (ROOT, SANITIZER_ENV, compiler_with, libfabric_flags, s
 HERE = Path(__file__).resolve().parent
 PACKAGE_DIR = Path(fi.MODELED_PROVIDER_LIBRARY).parent
 CHECKS = ["eq", "cntr", "cq_wait", "unsupported_answer", "av_close_while_bound", "av_insert_gone_peer", "separate_cqs",
-          "shared_cq", "selective_completion", "write_verified", "iov_limits", "getinfo", "threads"]
+          "shared_cq", "selective_completion", "write_verified", "failed_writes", "iov_limits", "getinfo", "threads"]
 
 
 def provider_env(provider_dir: Path, **extra) -> dict:

@@ -65,6 +65,25 @@ def test_ten_thousand_error_completions_none_lost(pair):
                                "twice": 0}
 
 
+def test_failed_writes_complete_at_once_and_free_their_slots(pair):
+    """Issue 31 finding 11: 1,000 writes with a bad key, posted behind a write whose doorbell has not rung
+    (FI_MORE), all complete with their error at once (an error is due at its post and waits for no older
+    operation: no ordering promise); then more sends than the transmit queue holds all complete, the held
+    write among them (the first send rings its doorbell). Before: the errors waited behind the held write
+    and none came."""
+    a, b, to_b, _ = pair
+    ms, md = a.register(np.ones(64, dtype=np.uint8)), b.register(np.zeros(4096, dtype=np.uint8))
+    good = md.remote()
+    bad = fi.RemoteRegion(good.base, good.length, good.key ^ 1)
+    assert a.ep.try_post_write(ms, 0, 64, to_b, good, 0, "held", more=True)
+    errors = drive([a], lambda i: a.ep.try_post_write(ms, 0, 64, to_b, bad, 0, i, more=True), 1000, timeout=10)
+    assert errors.summary() == {"ok": 0, "errors": {fi.errno_name(fi.lib.FI_EKEYREJECTED): 1000}, "missing": 0,
+                                "twice": 0}
+    sends = drive([a, b], lambda i: a.ep.try_post_send(ms, 0, 64, to_b, i), 5000, expected=5001, timeout=10)
+    assert sends.summary() == {"ok": 5001, "errors": {}, "missing": 0, "twice": 0}
+    assert "held" in sends.ok
+
+
 def _kill_mid_transfer(reap: bool, writes: int = 8192, kill_after: int = 1000) -> dict:
     """tests/sim_fault_writer.py writes 64 KiB writes (52 us each at the 10 Gbps set here) into a target
     and SIGKILLs it once `kill_after` have completed; the target is reaped at once, or left a zombie

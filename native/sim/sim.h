@@ -234,6 +234,7 @@ struct sim_ep {
     atomic_flag lock; /* posting and progress of one endpoint from several threads (FI_THREAD_SAFE) */
     uint64_t tx_head, tx_sent, tx_tail; /* completed | left the NIC | waiting for the line | free */
     uint64_t tx_held;                   /* from it to tx_tail: posted with FI_MORE, the doorbell not rung yet */
+    uint64_t tx_failed;                 /* operations in the queue that failed (err) and whose error is not queued */
     uint64_t last_due_ns;             /* the latest acknowledgement of what has left */
     uint64_t dip_at;                  /* the last operation that left due before an older one (unordered) */
     uint64_t next_due_ns;             /* no operation that left is due before it (0: look) */

@@ -69,27 +69,34 @@ static int has_work(struct sim_ep *ep, const struct sim_cq *cq) {
 
 /* Progress every endpoint bound to the CQ (its receive side if the CQ is its receive CQ, its transmit side if
  * its transmit CQ, and its departures whichever it is), starting with a different one each time so that none
- * starves the others. */
+ * starves the others; completions fill buf up to count. count 0 (fi_cq_readerr) queues only what needs no
+ * room in buf: the errors of its transmit sides. The caller holds the CQ's lock. */
+static size_t progress(struct sim_cq *cq, void *buf, size_t count) {
+    size_t n = 0;
+    uint64_t now = 0; /* read once, at the first endpoint with work */
+    unsigned first = cq->next++ % (unsigned)cq->neps;
+    for (int i = 0; i < cq->neps && (n < count || !count); i++) {
+        struct sim_ep *ep = cq->eps[(first + (unsigned)i) % (unsigned)cq->neps];
+        if (!ep->enabled) continue;
+        sim_ep_lock(ep);
+        if (has_work(ep, cq)) {
+            if (!now) now = sim_now_ns();
+            sim_send_due(ep, now); /* a poll of either CQ lets what is due leave the writer's NIC */
+            if (ep->rx_cq == cq && count) n = sim_progress_rx(ep, buf, count, n, now);
+            if (ep->tx_cq == cq) n = sim_progress_tx(ep, buf, count, n, now);
+        }
+        sim_ep_unlock(ep);
+    }
+    return n;
+}
+
+/* libfabric's rule: while an error is queued, a read answers -FI_EAVAIL (and progresses nothing, so that no
+ * completion overtakes it); once the application has read them all, reads progress again. */
 static ssize_t cq_read(struct fid_cq *fid, void *buf, size_t count) {
     struct sim_cq *cq = (struct sim_cq *)fid;
     pthread_mutex_lock(&cq->lock);
     size_t n = 0;
-    if (cq->err_head == cq->err_tail && cq->neps) {
-        uint64_t now = 0; /* read once, at the first endpoint with work */
-        unsigned first = cq->next++ % (unsigned)cq->neps;
-        for (int i = 0; i < cq->neps && n < count; i++) {
-            struct sim_ep *ep = cq->eps[(first + (unsigned)i) % (unsigned)cq->neps];
-            if (!ep->enabled) continue;
-            sim_ep_lock(ep);
-            if (has_work(ep, cq)) {
-                if (!now) now = sim_now_ns();
-                sim_send_due(ep, now); /* a poll of either CQ lets what is due leave the writer's NIC */
-                if (ep->rx_cq == cq) n = sim_progress_rx(ep, buf, count, n, now);
-                if (ep->tx_cq == cq) n = sim_progress_tx(ep, buf, count, n, now);
-            }
-            sim_ep_unlock(ep);
-        }
-    }
+    if (cq->err_head == cq->err_tail && cq->neps && count) n = progress(cq, buf, count);
     int errors = cq->err_head != cq->err_tail;
     pthread_mutex_unlock(&cq->lock);
     if (n) return (ssize_t)n;
@@ -102,9 +109,12 @@ static ssize_t cq_readfrom(struct fid_cq *fid, void *buf, size_t count, fi_addr_
     return n;
 }
 
+/* An error is readable as soon as it is due: with none queued, the read progresses the transmit sides first
+ * (an application that drains errors until -FI_EAGAIN gets every one due, past the queue's SIM_ERRS). */
 static ssize_t cq_readerr(struct fid_cq *fid, struct fi_cq_err_entry *buf, uint64_t flags) {
     struct sim_cq *cq = (struct sim_cq *)fid;
     pthread_mutex_lock(&cq->lock);
+    if (cq->err_head == cq->err_tail && cq->neps) progress(cq, NULL, 0);
     if (cq->err_head == cq->err_tail) {
         pthread_mutex_unlock(&cq->lock);
         return -FI_EAGAIN;

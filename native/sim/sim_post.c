@@ -18,11 +18,12 @@ static void gather(char *dst, const struct iovec *iov, size_t count) {
     }
 }
 
-/* Queue an error completion for a post the remote NIC (or this one) refuses. */
+/* Queue an error completion for a post the remote NIC (or this one) refuses: due at once (sim_progress_tx). */
 static ssize_t refuse(struct sim_ep *ep, void *context, uint64_t flags, size_t len, int err) {
     if (ep->tx_tail - ep->tx_head >= SIM_TX) return -FI_EAGAIN;
     ep->tx[ep->tx_tail++ % SIM_TX] = (struct sim_pending){.context = context, .flags = flags | FI_COMPLETION,
                                                           .len = len, .err = err};
+    ep->tx_failed++;
     return 0;
 }
 
@@ -63,6 +64,7 @@ static void leave(struct sim_ep *ep, struct sim_pending *t) {
     struct sim_peer *peer = &ep->av->peers[t->dest];
     if (!peer->seg || sim_peer_known_dead(peer, t->tx_start_ns)) { /* removed, or gone before the bytes left */
         t->err = FI_EHOSTUNREACH;
+        ep->tx_failed++;
         return;
     }
     t->landed_ns = sim_occupy_rx(peer, t->len, t->tx_start_ns);

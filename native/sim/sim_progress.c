@@ -105,43 +105,64 @@ size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uin
     return n;
 }
 
+/* A failed operation's error, into the transmit CQ: 1, or 0 when the error queue is full (it waits). */
+static int complete_failed(struct sim_ep *ep, struct sim_pending *t) {
+    if (sim_cq_push_error(ep->tx_cq, t->context, t->flags, t->len, t->err, "%s", sim_error_text(t->err)) < 0)
+        return 0;
+    ep->tx_failed--;
+    return 1;
+}
+
 /* One pending operation, once it is due or its peer is known gone: 1 when it completed (with success or
- * an error), 0 when it must wait (not due, or the error queue is full). */
-static int complete(struct sim_ep *ep, struct sim_pending *t, int sent, void *buf, size_t *n, uint64_t now) {
-    struct sim_cq *cq = ep->tx_cq;
-    if (t->err)
-        return sim_cq_push_error(cq, t->context, t->flags, t->len, t->err, "%s", sim_error_text(t->err)) == 0;
+ * an error), 0 when it must wait (not due, the error queue is full, or a success finds buf full: an error
+ * needs no room there). */
+static int complete(struct sim_ep *ep, struct sim_pending *t, int sent, void *buf, size_t count, size_t *n,
+                    uint64_t now) {
+    if (t->err) return complete_failed(ep, t);
     struct sim_peer *peer = &ep->av->peers[t->dest];
     int removed = !peer->seg;              /* fi_av_remove'd while the operation was on its way */
     if (!sent || t->due_ns > now) {
         /* not due yet, unless the peer's process ended before these bytes could land: they never will */
         if (!removed && !sim_peer_known_dead(peer, sent ? t->landed_ns : t->tx_start_ns)) return 0;
     } else if (!removed && sim_peer_alive_at(peer, t->landed_ns, now)) {
-        if (t->flags & FI_COMPLETION)
-            sim_cq_fill(cq, buf, (*n)++, t->context, t->flags & (FI_RMA | FI_WRITE | FI_MSG | FI_SEND), t->len, NULL,
-                        0);
+        if (!(t->flags & FI_COMPLETION)) return 1;
+        if (*n == count) return 0;
+        sim_cq_fill(ep->tx_cq, buf, (*n)++, t->context, t->flags & (FI_RMA | FI_WRITE | FI_MSG | FI_SEND), t->len,
+                    NULL, 0);
         return 1;
     }
-    return sim_cq_push_error(cq, t->context, t->flags, t->len, FI_EHOSTUNREACH,
+    return sim_cq_push_error(ep->tx_cq, t->context, t->flags, t->len, FI_EHOSTUNREACH,
                              "the peer process %d was gone (closed or killed) before the %s landed", peer->pid,
                              t->kind == SIM_KIND_SEND ? "message" : "write") == 0;
 }
 
-/* No ordering promise (EFA reports none): an operation that left completes when its acknowledgement is due,
- * ahead of older ones still on their way (to a target NIC whose receive line is busier). Looked at only once
- * something is due (next_due_ns), and past the first one not due only while a later one is due before an
- * older one (dip_at): with one target, a poll costs what it did in posting order. */
+/* No ordering promise (EFA reports none): an operation that failed (refused at its post, or unable to leave)
+ * is due at once and its error goes ahead of every older operation still held by FI_MORE, waiting for the
+ * line or on its way; looked for only while there is one (tx_failed). */
+static void complete_failed_ones(struct sim_ep *ep) {
+    for (uint64_t i = ep->tx_head; ep->tx_failed && i != ep->tx_tail; i++) {
+        struct sim_pending *t = &ep->tx[i % SIM_TX];
+        if (!t->err || t->done) continue;
+        if (!complete_failed(ep, t)) return; /* the error queue is full: looked at again once it is read */
+        t->done = 1;
+    }
+}
+
+/* Likewise an operation that left completes when its acknowledgement is due, ahead of older ones still on
+ * their way (to a target NIC whose receive line is busier). Looked at only once something is due
+ * (next_due_ns), and past the first one not due only while a later one is due before an older one
+ * (dip_at): with one target, a poll costs what it did in posting order. */
 static size_t complete_due(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
     uint64_t next = UINT64_MAX;
     for (uint64_t i = ep->tx_head; i != ep->tx_sent; i++) {
         struct sim_pending *t = &ep->tx[i % SIM_TX];
-        if (t->done || t->err) continue; /* errors complete in posting order, below */
+        if (t->done || t->err) continue; /* failed ones: complete_failed_ones */
         if (t->due_ns > now) {
             if (t->due_ns < next) next = t->due_ns;
             if (i >= ep->dip_at) break; /* the later ones are due no earlier */
             continue;
         }
-        if (n == count || !complete(ep, t, 1, buf, &n, now)) { /* no room now: look again at the next poll */
+        if (!complete(ep, t, 1, buf, count, &n, now)) { /* no room now: look again at the next poll */
             next = 0;
             break;
         }
@@ -151,14 +172,18 @@ static size_t complete_due(struct sim_ep *ep, void *buf, size_t count, size_t n,
     return n;
 }
 
-/* The writer side, once what is due to leave has left (sim_send_due, by the caller): operations whose
- * acknowledgement is due complete (in posting order with FABRICLAB_SIM_ORDERED=1); the oldest also when its peer
- * is known gone. */
+/* The writer side, once what is due to leave has left (sim_send_due, by the caller): failed operations and
+ * those whose acknowledgement is due complete (all in posting order with FABRICLAB_SIM_ORDERED=1); the
+ * oldest also when its peer is known gone. count 0 (fi_cq_readerr) completes only what needs no room in buf:
+ * errors. The transmit queue frees every completed one at its head. */
 size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
-    if (!sim_model.ordered && now >= ep->next_due_ns) n = complete_due(ep, buf, count, n, now);
+    if (!sim_model.ordered) {
+        complete_failed_ones(ep);
+        if (now >= ep->next_due_ns) n = complete_due(ep, buf, count, n, now);
+    }
     while (ep->tx_head != ep->tx_tail) {
         struct sim_pending *t = &ep->tx[ep->tx_head % SIM_TX];
-        if (!t->done && (n == count || !complete(ep, t, ep->tx_sent != ep->tx_head, buf, &n, now))) break;
+        if (!t->done && !complete(ep, t, ep->tx_sent != ep->tx_head, buf, count, &n, now)) break;
         if (ep->tx_sent == ep->tx_head) ep->tx_sent++;
         ep->tx_head++;
     }
