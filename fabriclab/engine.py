@@ -413,8 +413,10 @@ class Engine:
         self._service = Service(config, self.id)
         self._pool_region: Region | None = None  # the staging pool, registered at the first staged region
         self._lanes_region: Region | None = None  # the landing lanes, registered at the first staged target
-        # the finalizer holds the service, never the engine: a dropped engine is collected, then closed
+        # the finalizer holds the service, never the engine: a dropped engine is collected, then closed. At
+        # exit the service closes before any libfabric object does (fi.stop_first_at_exit), not in here
         self._finalizer = weakref.finalize(self, Service.close_collected, self._service)
+        self._finalizer.atexit = False
 
     @property
     def provider(self) -> str:
