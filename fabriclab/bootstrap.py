@@ -234,7 +234,8 @@ def exchange(port: int, payload: bytes, host: str = "127.0.0.1", timeout: float 
     except TimeoutError:
         raise fi.FabricTimeout(f"connecting to {where}", timeout) from None
     except OSError as exc:
-        raise BootstrapError(f"cannot connect to {where}: {exc.strerror or exc} (is its Rendezvous listening?)") from None
+        raise BootstrapError(f"cannot connect to {where}: {exc.strerror or exc} (is its Rendezvous listening?)") \
+            from None
     with sock:
         reply = bytearray()
         try:
