@@ -76,10 +76,9 @@ _pid = os.getpid()
 
 
 def _after_fork_in_child() -> None:
-    global _pid, _signals_lock, _exit_lock
+    global _pid, _signals_lock
     _pid = os.getpid()
-    _signals_lock = threading.Lock()  # another thread of the parent may have held them at fork()
-    _exit_lock = threading.Lock()
+    _signals_lock = threading.Lock()  # another thread of the parent may have held it at fork()
     _inprocess.after_fork_in_child()
 
 
@@ -262,7 +261,6 @@ class Resource:
 # staged transfer, and was closed under the landing thread still reading it (tracebacks by the hundred, at
 # times SIGSEGV in fi_cq_read). First every user of libfabric objects with threads of its own stops (newest
 # first), then every root still open closes with its tree (newest first).
-_exit_lock = threading.Lock()
 _users: dict[int, tuple[weakref.ref[Any], Callable[[Any], bool]]] = {}  # opening order -> (user, its stop)
 _roots: weakref.WeakValueDictionary[int, Resource] = weakref.WeakValueDictionary()  # opening order -> root
 _opened = itertools.count()
@@ -275,14 +273,13 @@ def stop_first_at_exit(user: _U, stop: Callable[[_U], bool]) -> None:
     returns once those threads are done with them: True, or False if some may still be inside them (then
     nothing is closed at exit: the process ends with them open)."""
     key = next(_opened)
-    with _exit_lock:
-        _users[key] = (weakref.ref(user, lambda _: _users.pop(key, None)), stop)
+    _users[key] = (weakref.ref(user, lambda _: _users.pop(key, None)), stop)
 
 
 @atexit.register
 def _close_at_exit() -> None:
-    with _exit_lock:
-        users = [(ref(), stop) for _, (ref, stop) in sorted(_users.items(), reverse=True)]
+    # copy(): in one step, where a collection (a user's weakref callback) could change the dict inside a loop
+    users = [(ref(), stop) for _, (ref, stop) in sorted(_users.copy().items(), reverse=True)]
     let_go = [stop(user) for user, stop in users if user is not None]  # every one stops, even after one that could not
     if not all(let_go):
         return  # a thread may still be inside a libfabric call: closing under it could crash the process
