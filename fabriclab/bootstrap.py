@@ -7,22 +7,40 @@ you like (your RPC, a file, a key-value store).
         print(r.port)                             
         peer_bytes = r.exchange(my_bytes)
 
-Binds to 127.0.0.1 unless told otherwise; every wait has a timeout. Where a deployment already has a
+Binds to 127.0.0.1 unless told otherwise; each exchange ends within its timeout, whatever else connects (a
+stray or silent connection, or one sending what no fabriclab peer sends, is dropped, and the exchange waits on
+for a peer). Errors derive from ``fi.FabriclabError``: ``fi.FabricTimeout``, ``BootstrapError`` (nothing
+listens, or the other side broke the connection), ``fi.UsageError``. Where a deployment already has a
 torch.distributed store or an MPI communicator, ``allgather`` swaps the same bytes through it. Payloads are
 bytes-like (bytes, bytearray, memoryview, a numpy array); anything else (text, a number, None) is a
 UsageError, as are a rank or port that is no integer and a timeout that is not a finite positive number.
 """
 from __future__ import annotations
 
+import collections
+import selectors
 import socket
 import struct
+import time
 
 from typing import Any, Literal
 
 from . import fi
 
+# A message on the socket: this magic, the payload's length, the payload. The magic tells a fabriclab peer
+# from anything else that connects (a port scanner, a browser, a stray client of another service).
+_MAGIC = b"FLbs"
+_HEAD = struct.Struct("<4sI")
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 64 << 20
+# Connections a Rendezvous reads at once: past this many, the one that has waited longest without a whole
+# message is dropped (a flood of silent connections takes neither every descriptor nor the honest peer's turn).
+MAX_PENDING = 64
+
+
+class BootstrapError(fi.FabriclabError, ConnectionError):
+    """The other side of a bootstrap exchange is not there, broke the connection, or sent what no fabriclab
+    peer sends (the message says which)."""
 
 
 def _bytes(value: object, what: str) -> bytes:
@@ -36,26 +54,34 @@ def _bytes(value: object, what: str) -> bytes:
                             f"{hint}") from None
 
 
-def _send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+def _frame(payload: bytes) -> bytes:
+    if len(payload) > MAX_MESSAGE:
+        raise fi.UsageError(f"a bootstrap payload holds at most {MAX_MESSAGE} bytes, got {len(payload)}: swap "
+                            "large data over the engine, and only addresses and descriptors here")
+    return _HEAD.pack(_MAGIC, len(payload)) + payload
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise ConnectionError(f"the other side closed the connection after {got} of {n} bytes")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(sock: socket.socket) -> bytes:
-    (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+def _needed(data: bytearray, who: str) -> int:
+    """How many more bytes make ``data`` a whole message (0: it is one); BootstrapError for what no fabriclab
+    peer sends."""
+    if not _MAGIC.startswith(bytes(data[:len(_MAGIC)])):
+        raise BootstrapError(f"{who} sent {bytes(data[:len(_MAGIC)])!r} where a fabriclab bootstrap message starts "
+                             f"with {_MAGIC!r}: not a fabriclab peer (or one of another version)")
+    if len(data) < _HEAD.size:
+        return _HEAD.size - len(data)
+    size: int = _HEAD.unpack_from(data)[1]
     if size > MAX_MESSAGE:
-        raise fi.UsageError(f"bootstrap message of {size} bytes is larger than {MAX_MESSAGE}: not a fabriclab peer?")
-    return _recv_exact(sock, size)
+        raise BootstrapError(f"{who} announced a bootstrap message of {size} bytes, more than {MAX_MESSAGE}: not a "
+                             "fabriclab peer")
+    return _HEAD.size + size - len(data)
+
+
+def _left(deadline: float, what: str, timeout: float) -> float:
+    """The seconds left before ``deadline``; FabricTimeout once none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise fi.FabricTimeout(what, timeout)
+    return left
 
 
 def pack(*parts: bytes) -> bytes:
@@ -81,30 +107,111 @@ def unpack(data: bytes) -> list[bytes]:
 
 
 class Rendezvous:
-    """The listening side: ``exchange(payload)`` waits for one peer, receives its bytes, sends ours."""
+    """The listening side: ``exchange(payload)`` waits for one peer, receives its bytes, sends ours.
+
+    Every connection is read at once, as its bytes come: one that closes early, stays silent, trickles, or
+    sends what no fabriclab peer sends is dropped (``dropped`` counts them), and the exchange goes on waiting
+    for a peer until its deadline. A peer whose message arrived while no exchange ran is answered by the
+    next one, first come first served."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0) -> None:
         self.timeout = fi.seconds(timeout, "timeout")
-        self._listener = socket.create_server((host, fi.integer(port, "port", 0, 65535)))
-        self._listener.settimeout(timeout)
+        port = fi.integer(port, "port", 0, 65535)
+        try:
+            self._listener = socket.create_server((host, port))
+        except OSError as exc:
+            raise BootstrapError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (port 0 picks a free "
+                                 "one)") from None
+        self._listener.setblocking(False)
         self.host, self.port = self._listener.getsockname()[:2]
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        # connections still sending -> (their bytes so far, when accepted, who); whole messages not answered yet
+        self._reading: dict[socket.socket, tuple[bytearray, float, str]] = {}
+        self._ready: collections.deque[tuple[socket.socket, bytes]] = collections.deque()
+        #: connections dropped so far
+        self.dropped = 0
+        #: why the last one was
+        self.last_dropped = ""
 
     def exchange(self, payload: bytes) -> bytes:
-        """Wait for the next peer (``fi.FabricTimeout`` after ``timeout`` seconds), receive its bytes, send it
-        ``payload``; returns its bytes."""
-        payload = _bytes(payload, "payload")
+        """Wait for the next peer, receive its bytes, send it ``payload``; returns its bytes.
+        ``fi.FabricTimeout`` when no peer's whole message came within ``timeout`` seconds of the call."""
+        frame = _frame(_bytes(payload, "payload"))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            while self._ready:
+                conn, theirs = self._ready.popleft()
+                if self._reply(conn, frame, deadline):
+                    return theirs
+            left = deadline - time.monotonic()
+            if left <= 0:
+                dropped = f"{self.dropped} connection(s) dropped so far, the last: {self.last_dropped}"
+                raise fi.FabricTimeout("a fabriclab peer sending its bytes to the bootstrap socket", self.timeout,
+                                       dropped if self.dropped else "")
+            for key, _ in self._selector.select(left):
+                if key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._read(key.fileobj)  # type: ignore[arg-type]  # registered sockets only
+
+    def _accept(self) -> None:
         try:
-            conn, _ = self._listener.accept()
-        except socket.timeout:
-            raise fi.FabricTimeout("a peer connecting to the bootstrap socket", self.timeout) from None
+            conn, (host, port, *_) = self._listener.accept()
+        except (BlockingIOError, ConnectionAbortedError):
+            return  # gone again before we took it
+        conn.setblocking(False)
+        now = time.monotonic()
+        for old, (_, since, who) in list(self._reading.items()):  # oldest first
+            if now - since > self.timeout:
+                self._drop(old, f"{who} sent no whole message within the timeout")
+            elif len(self._reading) >= MAX_PENDING:
+                self._drop(old, f"{who} was the oldest of {MAX_PENDING} connections without a whole message")
+        self._reading[conn] = (bytearray(), now, f"a connection from {host}:{port}")
+        self._selector.register(conn, selectors.EVENT_READ)
+
+    def _read(self, conn: socket.socket) -> None:
+        data, _, who = self._reading[conn]
+        try:
+            chunk = conn.recv(_needed(data, who))
+            if not chunk:
+                raise BootstrapError(f"{who} closed after {len(data)} bytes, before its whole message")
+            data += chunk
+            if _needed(data, who) == 0:
+                self._selector.unregister(conn)
+                del self._reading[conn]
+                self._ready.append((conn, bytes(data[_HEAD.size:])))
+        except BlockingIOError:
+            pass
+        except (BootstrapError, OSError) as exc:
+            self._drop(conn, str(exc))
+
+    def _drop(self, conn: socket.socket, why: str) -> None:
+        self._selector.unregister(conn)
+        del self._reading[conn]
+        conn.close()
+        self.dropped += 1
+        self.last_dropped = why
+
+    def _reply(self, conn: socket.socket, frame: bytes, deadline: float) -> bool:
+        """Send our message to a peer whose whole message came; False if it is gone (or takes none in time)."""
         with conn:
-            conn.settimeout(self.timeout)
-            theirs = _recv(conn)
-            _send(conn, payload)
-            return theirs
+            try:
+                conn.settimeout(max(deadline - time.monotonic(), 1e-3))
+                conn.sendall(frame)
+                return True
+            except OSError as exc:
+                self.dropped += 1
+                self.last_dropped = f"a peer took no reply: {exc}"
+                return False
 
     def close(self) -> None:
-        """Stop listening."""
+        """Stop listening; drop the connections not answered."""
+        for conn in [*self._reading, *(conn for conn, _ in self._ready)]:
+            conn.close()
+        self._reading.clear()
+        self._ready.clear()
+        self._selector.close()
         self._listener.close()
 
     def __enter__(self) -> Rendezvous:
@@ -116,13 +223,37 @@ class Rendezvous:
 
 
 def exchange(port: int, payload: bytes, host: str = "127.0.0.1", timeout: float = 30.0) -> bytes:
-    """The connecting side: send our bytes to a Rendezvous, return theirs."""
+    """The connecting side: send our bytes to a Rendezvous, return theirs, all within ``timeout`` seconds
+    (``fi.FabricTimeout``); ``BootstrapError`` when nothing listens there, or the other side breaks the
+    connection or answers what no Rendezvous sends."""
     payload, port = _bytes(payload, "payload"), fi.integer(port, "port", 1, 65535)
     timeout = fi.seconds(timeout, "timeout")
-    with socket.create_connection((host, port), timeout=timeout) as sock:
-        sock.settimeout(timeout)
-        _send(sock, payload)
-        return _recv(sock)
+    frame, deadline, where = _frame(payload), time.monotonic() + timeout, f"the bootstrap socket at {host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except TimeoutError:
+        raise fi.FabricTimeout(f"connecting to {where}", timeout) from None
+    except OSError as exc:
+        raise BootstrapError(f"cannot connect to {where}: {exc.strerror or exc} (is its Rendezvous listening?)") \
+            from None
+    with sock:
+        reply = bytearray()
+        try:
+            sock.settimeout(_left(deadline, f"sending to {where}", timeout))
+            sock.sendall(frame)
+            while need := _needed(reply, where):
+                sock.settimeout(_left(deadline, f"an answer from {where}", timeout))
+                chunk = sock.recv(min(need, 1 << 20))
+                if not chunk:
+                    raise BootstrapError(f"{where} closed the connection after {len(reply)} bytes of its answer")
+                reply += chunk
+        except fi.FabriclabError:
+            raise
+        except TimeoutError:  # a send or receive that took what was left
+            raise fi.FabricTimeout(f"an answer from {where}", timeout) from None
+        except OSError as exc:
+            raise BootstrapError(f"{where} broke the connection: {exc}") from None
+        return bytes(reply[_HEAD.size:])
 
 
 # ------------------------------------------------------------------- through a serving framework's own

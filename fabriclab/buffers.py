@@ -31,15 +31,14 @@ class CudaView:
 
 def view_of(obj: Any) -> HostView | CudaView:
     """The memory of any buffer-protocol, CUDA-array or DLPack object; UsageError for anything that cannot be
-    registered (not contiguous, empty, holding Python objects, CUDA memory on another device than it says)."""
+    registered (not one block of memory, empty, holding Python objects, CUDA memory on another device than it says)."""
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
         pointer = int(cai["data"][0])
         shape = cai.get("shape", ())
         itemsize = np.dtype(cai["typestr"]).itemsize
-        if cai.get("strides") not in (None, ()) and cai["strides"] != tuple(
-                int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape))):
-            raise fi.UsageError("register a contiguous CUDA array")
+        if cai.get("strides") not in (None, ()) and not staging.one_block(shape, cai["strides"], itemsize):
+            raise fi.UsageError(staging.NOT_ONE_BLOCK.format(what="CUDA array"))
         length = int(np.prod(shape)) * itemsize if shape else itemsize
         return CudaView(pointer, length, _cuda_device(pointer, length, _claimed_device(obj)), obj,
                         bool(cai["data"][1]))
@@ -56,8 +55,6 @@ def view_of(obj: Any) -> HostView | CudaView:
         else:
             raise fi.UsageError(f"cannot register {type(obj).__name__}: it has no buffer protocol, "
                                 "__cuda_array_interface__ or __dlpack__") from None
-    if not view.c_contiguous:
-        raise fi.UsageError("register a contiguous buffer")
     if _holds_references(obj, view):
         dtype = getattr(obj, "dtype", f"format {view.format!r}")
         raise fi.UsageError(f"cannot register this {type(obj).__name__} ({dtype}): its items hold references to "
@@ -65,10 +62,22 @@ def view_of(obj: Any) -> HostView | CudaView:
                             "pointers the interpreter owns; a peer's write over them crashes this process, and a "
                             "write of them sends addresses that mean nothing there. Register the data itself "
                             "instead: a numeric array, e.g. np.asarray(values, dtype=np.float64), or bytes")
+    readonly = view.readonly
+    if not view.c_contiguous:
+        view = _in_memory_order(view)
     array = np.frombuffer(view.cast("B"), dtype=np.uint8)
     if array.size == 0:
         raise fi.UsageError("cannot register an empty buffer")
-    return HostView(obj, array, view.readonly)
+    return HostView(obj, array, readonly)
+
+
+def _in_memory_order(view: memoryview) -> memoryview:
+    """The same bytes as a C-contiguous view, for an array that is one block of memory in another axis order
+    (Fortran order, a transpose): its axes sorted by stride. UsageError for one with gaps or repeats."""
+    if view.strides is None or not staging.one_block(view.shape or (), view.strides, view.itemsize):
+        raise fi.UsageError(staging.NOT_ONE_BLOCK.format(what="buffer"))
+    array = np.asarray(view)
+    return memoryview(array.transpose(sorted(range(array.ndim), key=lambda axis: -array.strides[axis])))
 
 
 def _holds_references(obj: object, view: memoryview) -> bool:

@@ -41,7 +41,7 @@ from .config import EngineConfig
 from .errors import (FabriclabError, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed, StagingFailed,
                      TransferError, TransferTimeout, UsageError, WriteRejected, bad_address, closed_here)
 from .nics import host_identity, same_host_path
-from .pages import as_pages, coalesce_pages, first_overlap
+from .pages import as_pages, coalesce_pages, first_overlap, first_repeat
 from .service import CLOSED_HERE, DEFAULT_STRIPE, Service
 from .transfer import Transfer, TransferResult
 from .wire import IpcRoute, PeerRegion, decode_address, decode_region, encode_address, encode_landing, encode_region
@@ -322,7 +322,8 @@ class Peer:
         (``Transfer.writes`` says how many writes it became; on the ``cuda-ipc`` path, one copy per page, all in
         one GPU launch: ``Peer.route``); with ``imm``, the peer's ``Engine.expect``
         still counts pages: each write carries how many it moves. No source page may overlap a
-        destination page (pages moved within one region): see :meth:`write`."""
+        destination page (pages moved within one region): see :meth:`write`; nor may a destination page
+        be named twice (UsageError: the writes run in no order)."""
         remote = self._remote(remote_descriptor)
         _check_region(local_region)
         page_size = fi.integer(page_size, "page_size", 1)
@@ -335,6 +336,13 @@ class Peer:
                 bad = pages[(pages < 0) | (pages >= last)][0]
                 raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
                                  f"{side} region")
+        repeated = first_repeat(dst)
+        if repeated is not None:
+            i, j = np.flatnonzero(dst == repeated)[:2]
+            raise fi.UsageError(f"source pages {src[i]} and {src[j]} are both written to destination page {repeated}: "
+                                "the writes of a transfer run in no order, so which lands would depend on timing. "
+                                "Name each destination page once (one transfer after the other where a page is "
+                                "written twice)")
         _refuse_overlap(local_region, remote, src, dst, page_size, pages=True)
         service = self.engine._service
         if remote.ipc is not None and service.ipc.route(self, local_region, remote)[0]:  # the GPU copies pages whole
@@ -413,8 +421,10 @@ class Engine:
         self._service = Service(config, self.id)
         self._pool_region: Region | None = None  # the staging pool, registered at the first staged region
         self._lanes_region: Region | None = None  # the landing lanes, registered at the first staged target
-        # the finalizer holds the service, never the engine: a dropped engine is collected, then closed
+        # the finalizer holds the service, never the engine: a dropped engine is collected, then closed. At
+        # exit the service closes before any libfabric object does (fi.stop_first_at_exit), not in here
         self._finalizer = weakref.finalize(self, Service.close_collected, self._service)
+        self._finalizer.atexit = False
 
     @property
     def provider(self) -> str:
@@ -460,7 +470,9 @@ class Engine:
         """Register any buffer-protocol object (numpy, bytearray, ...), CUDA array (cupy, torch, numba:
         through ``__cuda_array_interface__``), DLPack tensor or capsule (host or CUDA) with every NIC. A
         read-only buffer can be written from but not into; one whose items hold references to Python objects
-        (dtype object, or a structured dtype with such a field) is refused. ``Region.path`` says how: "host",
+        (dtype object, or a structured dtype with such a field) is refused, as is one that is not one block of
+        memory (a slice with a step); one block in any axis order (C, Fortran, a transpose) is taken, its
+        bytes (and pages) in memory order. ``Region.path`` says how: "host",
         "cuda-direct" (FI_HMEM) or "cuda-staged" (through the staging pool as a source, the landing lanes as a
         target)."""
         self._service.check_open()

@@ -1,5 +1,5 @@
 """Page lists as ``Peer.write_pages`` takes them: checked (integers only, never truncated), tested for
-overlap, and joined into runs of pages contiguous on both sides."""
+overlap and for pages named twice, and joined into runs of pages contiguous on both sides."""
 from __future__ import annotations
 
 from typing import Any
@@ -39,6 +39,25 @@ def first_overlap(sources: np.ndarray, destinations: np.ndarray, size: int) -> t
         return None
     i = int(np.argmax(hit))
     return i, int(order[last[i]])
+
+
+_SHORT = 64  # page lists up to this long are checked with a set of Python ints: faster than numpy's sort
+
+
+def first_repeat(pages: np.ndarray) -> int | None:
+    """A page the list names more than once, or None. A single page costs no numpy work."""
+    if pages.size < 2:
+        return None
+    if pages.size <= _SHORT:
+        seen: set[int] = set()
+        for page in pages.tolist():
+            if page in seen:
+                return int(page)
+            seen.add(page)
+        return None
+    ordered = np.sort(pages)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    return int(repeated[0]) if repeated.size else None
 
 
 def coalesce_pages(src: np.ndarray, dst: np.ndarray, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

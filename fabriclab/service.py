@@ -38,6 +38,9 @@ DEFAULT_STRIPE = 1 << 20
 # How long Region.close waits for transfers still running before it says so (a log warning): a healthy
 # transfer of a few MiB is done in milliseconds; one waiting this long may wait out the whole timeout.
 CLOSE_NOTICE_S = 1.0
+# How long the interpreter's exit waits for an engine's close already running on another thread (a dropped
+# engine's closer): its joins of stuck threads give up after WORKER_EXIT_TIMEOUT each.
+EXIT_WAIT_S = 4 * WORKER_EXIT_TIMEOUT
 # Services closed while threads were stuck in their native engine: whatever those threads may still touch
 # (NICs, registrations, buffers of unfinished transfers, the staging pool) stays open for the life of the
 # process, since nobody can tell when, if ever, they let go of it.
@@ -125,6 +128,8 @@ class Service:
         self.ipc = IpcPath(self)  # same-host GPU peers (fabriclab.ipc_writer)
         self.held_by_dead_writers: list[Any] = []  # memory of regions a CUDA IPC writer died copying into
         self.book.start(self.housekeeping_cores if self.worker_cores else None, self._finish_on_reaper)
+        self._shut = threading.Event()  # _shut_down is over: no thread of ours is in a NIC or channel
+        fi.stop_first_at_exit(self, Service._stop_at_exit)
 
     # ------------------------------------------------------------------------------ for the Engine
 
@@ -316,6 +321,11 @@ class Service:
         else:
             service.close()
 
+    def _stop_at_exit(self) -> bool:
+        """At exit (fi.stop_first_at_exit): close, or wait for another thread's close; whether our threads let go."""
+        self.close()
+        return self.pid != os.getpid() or self._shut.wait(EXIT_WAIT_S)
+
     def close(self) -> None:
         """Stop everything (``Engine.close()``, or the Engine's collection or the interpreter's exit)."""
         if self.closed:
@@ -340,6 +350,12 @@ class Service:
             self._shut_down()
 
     def _shut_down(self) -> None:
+        try:
+            self._stop_and_close()
+        finally:
+            self._shut.set()
+
+    def _stop_and_close(self) -> None:
         self.ipc.close()  # its copies are waited for; their counts leave through the landing thread
         staged.stop(self)  # fails staged and landing jobs; copies into staged targets are waited for
         stranded = self.native.stop_service(WORKER_EXIT_TIMEOUT)

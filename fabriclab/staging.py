@@ -123,16 +123,26 @@ def dlpack_cuda(obj: Any) -> tuple[int, int, int, Any] | None:
         raise fi.UsageError(f"cannot register a DLPack tensor on device type {tensor.device.device_type}")
     shape = [tensor.shape[i] for i in range(tensor.ndim)]
     itemsize = max(1, tensor.dtype.bits * tensor.dtype.lanes // 8)
-    if tensor.strides:
-        expected, contiguous = 1, True
-        for i in reversed(range(tensor.ndim)):
-            if shape[i] != 1 and tensor.strides[i] != expected:
-                contiguous = False
-            expected *= shape[i]
-        if not contiguous:
-            raise fi.UsageError("register a contiguous CUDA tensor")
+    if tensor.strides and not one_block(shape, [tensor.strides[i] * itemsize for i in range(tensor.ndim)], itemsize):
+        raise fi.UsageError(NOT_ONE_BLOCK.format(what="CUDA tensor"))
     length = int(np.prod(shape)) * itemsize if shape else itemsize
     return (tensor.data or 0) + tensor.byte_offset, length, tensor.device.device_id, (obj, capsule)
+
+
+NOT_ONE_BLOCK = ("register a {what} that is one contiguous block of memory (in any axis order: C, Fortran, "
+                 "transposed); this one has gaps, repeats or runs backwards (a slice with a step, a broadcast, "
+                 "[::-1]): a contiguous copy of it (np.ascontiguousarray, .contiguous()) is one")
+
+
+def one_block(shape: list[int] | tuple[int, ...], strides: list[int] | tuple[int, ...], itemsize: int) -> bool:
+    """Whether items of ``itemsize`` bytes at ``strides`` (bytes) fill one block of memory from the first
+    item on, without gaps or repeats, in some axis order (C, Fortran, a transpose of either)."""
+    expected = itemsize
+    for size, stride in sorted(((n, st) for n, st in zip(shape, strides) if n != 1), key=lambda axis: axis[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 # -------------------------------------------------------------------------------------- the pool

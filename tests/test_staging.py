@@ -484,8 +484,13 @@ def test_killed_peer_mid_transfer_fails_typed_and_buffer_safe():
 @pytest.mark.gpu
 @needs_torch_cuda
 def test_bad_gpu_inputs(gpu_engine):
-    with pytest.raises(fi.UsageError, match="contiguous"):
-        gpu_engine.register(torch.zeros((64, 64), dtype=torch.uint8, device="cuda").t())
+    with pytest.raises(fi.UsageError, match="one contiguous block of memory"):
+        gpu_engine.register(torch.zeros((64, 64), dtype=torch.uint8, device="cuda")[:, ::2])
+    with pytest.raises(fi.UsageError, match="one contiguous block of memory"):  # through DLPack
+        gpu_engine.register(torch.zeros((64, 64), dtype=torch.uint8, device="cuda")[:, ::2].__dlpack__())
+    transposed = torch.zeros((64, 64), dtype=torch.uint8, device="cuda").t()  # one block, in Fortran order
+    assert gpu_engine.register(transposed).length == 64 * 64
+    assert gpu_engine.register(transposed.__dlpack__()).length == 64 * 64
     # a CUDA DLPack capsule is taken as it is
     capsule_region = gpu_engine.register(torch.ones(MiB, dtype=torch.uint8, device="cuda").__dlpack__())
     assert capsule_region.kind == "cuda"

@@ -24,7 +24,7 @@ from .constants import (ACCESS_ALL, ACCESS_SOURCE, DEFAULT_CAPS, DEFAULT_TIMEOUT
                         PREFERRED_PROVIDERS, SUPPORTED_MODES, SUPPORTED_MR_MODES, api_version, ffi, fi_version,
                         flag_names, lib, library_version)
 from .errors import FabricError, FabriclabError, FabricTimeout, UsageError, check, errno_name, integer, seconds
-from ._core import Resource, signals_given_back
+from ._core import Resource, signals_given_back, stop_first_at_exit
 from .info import (IP_PROVIDERS, LOOPBACK, MODELED_PROVIDER, MODELED_PROVIDER_LIBRARY, Info, Nic, _hints,
                    available_providers, default_provider, domains, getinfo, load_modeled_provider,
                    modeled_provider_loaded, one_fabric_per_nic, provider_fabric_first, same_host_fabric)
@@ -43,7 +43,7 @@ __all__ = [
     # errors
     "FabricError", "FabriclabError", "FabricTimeout", "UsageError", "check", "errno_name", "integer", "seconds",
     # shared machinery
-    "Resource", "signals_given_back",
+    "Resource", "signals_given_back", "stop_first_at_exit",
     # fi_getinfo
     "IP_PROVIDERS", "LOOPBACK", "MODELED_PROVIDER", "MODELED_PROVIDER_LIBRARY", "Info", "Nic", "_hints",
     "available_providers", "default_provider", "domains", "getinfo", "load_modeled_provider",

@@ -1,8 +1,11 @@
 """The machinery every libfabric object shares: the process that owns it (refreshed after fork()), the
-signal handlers libfabric's providers replace and fabriclab gives back, and the resource tree (``Resource``
-over ``_Native``) that closes children before their parent and never closes what a child inherited."""
+signal handlers libfabric's providers replace and fabriclab gives back, the resource tree (``Resource``
+over ``_Native``) that closes children before their parent and never closes what a child inherited, and
+the order of closing at interpreter exit (``stop_first_at_exit``)."""
 from __future__ import annotations
 
+import atexit
+import itertools
 import os
 import signal
 import threading
@@ -171,10 +174,11 @@ class Resource:
         self._handle: CData = None  # the struct fid_* * libfabric returned
         self._native: _Native = _Native(type(self).__name__, parent._native if parent is not None else None, self)
         self._finalizer = weakref.finalize(self, self._native.collect)
-        # At exit only roots close, each its whole tree: a child closed on its own by weakref.finalize's
-        # newest-first exit order could go before an engine still writing from it (fabriclab.Engine
-        # closes at exit through a finalizer of its own, created after its fabrics).
-        self._finalizer.atexit = parent is None
+        # At exit only roots close, each its whole tree, and only once every thread that may still use them
+        # stopped (_close_at_exit): a child closed on its own could go before an engine still writing from it.
+        self._finalizer.atexit = False
+        if parent is None:
+            _roots[next(_opened)] = self
 
     def _opened(self, ptr: CData) -> None:
         """Record the libfabric object just opened (a struct fid_* *)."""
@@ -248,6 +252,41 @@ class Resource:
     def children(self) -> list["Resource"]:
         """The open children still referred to from Python, oldest first."""
         return [c for c in (n.owner() for n in self._native.children if not n.closed) if c is not None]
+
+
+# ------------------------------------------------------------------------------------ interpreter exit
+
+# What is still open at interpreter exit closes in two steps of fabriclab's own, not in weakref.finalize's
+# order (newest created first): an engine's control channel opens its fabric after the engine, at its first
+# staged transfer, and was closed under the landing thread still reading it (tracebacks by the hundred, at
+# times SIGSEGV in fi_cq_read). First every user of libfabric objects with threads of its own stops (newest
+# first), then every root still open closes with its tree (newest first).
+_users: dict[int, tuple[weakref.ref[Any], Callable[[Any], bool]]] = {}  # opening order -> (user, its stop)
+_roots: weakref.WeakValueDictionary[int, Resource] = weakref.WeakValueDictionary()  # opening order -> root
+_opened = itertools.count()
+_U = TypeVar("_U")
+
+
+def stop_first_at_exit(user: _U, stop: Callable[[_U], bool]) -> None:
+    """At interpreter exit, while ``user`` lives (an Engine's service, whose threads call into libfabric
+    objects), call ``stop(user)`` before any libfabric object closes, whatever was opened first. ``stop``
+    returns once those threads are done with them: True, or False if some may still be inside them (then
+    nothing is closed at exit: the process ends with them open)."""
+    key = next(_opened)
+    _users[key] = (weakref.ref(user, lambda _: _users.pop(key, None)), stop)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    # copy(): in one step, where a collection (a user's weakref callback) could change the dict inside a loop
+    users = [(ref(), stop) for _, (ref, stop) in sorted(_users.copy().items(), reverse=True)]
+    let_go = [stop(user) for user, stop in users if user is not None]  # every one stops, even after one that could not
+    if not all(let_go):
+        return  # a thread may still be inside a libfabric call: closing under it could crash the process
+    for opened in sorted(_roots.keys(), reverse=True):
+        root = _roots.get(opened)
+        if root is not None and root._finalizer.detach() is not None:  # else closed, or kept open
+            root._native.collect()
 
 
 class Closable(Protocol):

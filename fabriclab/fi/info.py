@@ -36,7 +36,9 @@ class _InfoList:
 
     def __init__(self, head: CData) -> None:
         self.head = head
-        weakref.finalize(self, lib.fi_freeinfo, head)
+        # never at interpreter exit: objects opened from it may still be open then, and close after it
+        # (fi._core's exit order); the process's end frees the memory anyway
+        weakref.finalize(self, lib.fi_freeinfo, head).atexit = False
 
 
 class Info:

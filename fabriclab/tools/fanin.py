@@ -9,6 +9,10 @@ engine starts its default workers (up to 8) without knowing of the others; idle 
 Before they did, shm — whose target must progress each write — collapsed as writers were added (16 cores,
 8 writers: 6k pages/s; now 39k; README, "Several engines on one host"). Each writer waits for one transfer
 before it submits the next unless ``--per-call`` puts several pages in one call.
+
+Every page is checked, on the modeled NICs too (``--provider sim`` turns their payload mode on,
+FABRICLAB_SIM_PAYLOAD=1). A run whose buffers would not fit the memory left, or that could not be checked,
+is refused before anything starts, in one line.
 """
 from __future__ import annotations
 
@@ -21,35 +25,78 @@ import time
 
 import numpy as np
 
-from .. import Engine, bootstrap, cli, measure
+from .. import Engine, bootstrap, cli, fi, measure
 
-SLOTS = 16  # pages of the target region each writer cycles through
+SLOTS = 16  # pages of the target region each writer cycles through (more when a call holds more pages)
+PAYLOAD = "FABRICLAB_SIM_PAYLOAD"  # the modeled NICs (sim) move the bytes only with it set to 1
+
+
+class FaninFailed(fi.FabriclabError, RuntimeError):
+    """A writer process failed, or a page did not land byte for byte."""
+
+
+def _slots(per_call: int) -> int:
+    """Pages of the target region each writer cycles through: a call never names one twice."""
+    return max(SLOTS, per_call)
 
 
 def _writer(provider: str, packed_hex: str, index: int, pages: int, per_call: int, page: int,
             threads: int | None) -> None:
     """One writer process: connects, says "ready", waits for "go" on stdin, writes, says "wrote N in S"."""
     address, descriptor = bootstrap.unpack(bytes.fromhex(packed_hex))
+    slots = _slots(per_call)
     with Engine(provider, threads=threads, pin=False) as engine:
-        source = engine.register(np.full(SLOTS * page, index + 1, dtype=np.uint8))
+        source = engine.register(np.full(slots * page, index + 1, dtype=np.uint8))
         peer = engine.connect(address)
         print("ready", flush=True)
         sys.stdin.readline()
         started, done = time.perf_counter(), 0
         while done < pages:
             n = min(per_call, pages - done)
-            offsets = [(done + k) % SLOTS for k in range(n)]
-            peer.write_pages(source, offsets, descriptor, [index * SLOTS + o for o in offsets], page,
+            offsets = [(done + k) % slots for k in range(n)]
+            peer.write_pages(source, offsets, descriptor, [index * slots + o for o in offsets], page,
                              imm=index + 1).result(60)
             done += n
         print(f"wrote {done} in {time.perf_counter() - started:.6f}", flush=True)
 
 
+def available_memory() -> int:
+    """Bytes of memory this machine can still give (MemAvailable), or all it has where /proc says nothing."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_run(provider: str, writers: int, per_call: int, page: int) -> None:
+    """UsageError, before any engine opens, for a run that cannot be made or checked here: buffers larger than
+    the memory left, or modeled NICs that move no bytes (nothing to check them by)."""
+    need, have = 2 * writers * _slots(per_call) * page, available_memory()  # the target's, and each writer's
+    if need > have * 3 // 4:
+        raise fi.UsageError(
+            f"{writers} writer(s) with pages of {cli.format_size(page)} need {need / 2**30:,.1f} GiB of memory (each "
+            f"writer cycles through {_slots(per_call)} pages, held in the target and in the writer), and this "
+            f"machine has {have / 2**30:,.1f} GiB available: use a smaller --page-size, fewer --writers or a smaller "
+            "--per-call")
+    if not fi.getinfo(provider)[0].moves_payload:
+        raise fi.UsageError(
+            f"fanin checks every page byte for byte, and the modeled NICs (sim) move bytes only with {PAYLOAD}=1 set "
+            f"before libfabric starts in the process (now {os.environ.get(PAYLOAD)!r}): run with {PAYLOAD}=1 "
+            f"(`python -m fabriclab fanin --provider sim` sets it unless told {PAYLOAD}=0)")
+
+
 def run(provider: str, writers: int, pages: int, per_call: int = 1, page: int = 4096,
         threads: int | None = None, timeout: float = 600.0) -> dict:
-    """Runs one fan-in and returns its figures; raises on a lost page or a wrong byte."""
+    """Runs one fan-in and returns its figures; FaninFailed for a failed writer or a wrong byte, UsageError
+    for a run that cannot be made or checked here (``check_run``)."""
+    check_run(provider, writers, per_call, page)
+    slots = _slots(per_call)
     with Engine(provider, threads=threads, pin=False) as target:
-        buffer = np.zeros(writers * SLOTS * page, dtype=np.uint8)
+        buffer = np.zeros(writers * slots * page, dtype=np.uint8)
         region = target.register(buffer)
         packed = bootstrap.pack(target.address, region.descriptor()).hex()
         procs = [subprocess.Popen([sys.executable, "-m", "fabriclab.tools.fanin", "--writer", provider, packed,
@@ -57,9 +104,9 @@ def run(provider: str, writers: int, pages: int, per_call: int = 1, page: int = 
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                  for i in range(writers)]
         try:
-            for p in procs:
+            for i, p in enumerate(procs):
                 if p.stdout.readline().strip() != "ready":
-                    raise RuntimeError(f"a writer failed to connect (exit {p.wait(10)})")
+                    raise FaninFailed(f"writer {i} failed to connect (its error is above)")
             counted = [target.expect(i + 1, pages, timeout=timeout) for i in range(writers)]
             started = time.perf_counter()
             for p in procs:
@@ -70,20 +117,34 @@ def run(provider: str, writers: int, pages: int, per_call: int = 1, page: int = 
             elapsed = time.perf_counter() - started
             own = [float(p.stdout.readline().split()[-1]) for p in procs]
         finally:
-            for p in procs:
-                p.stdin.close()
-                if p.wait(30) != 0:
-                    raise RuntimeError(f"a writer exited with {p.returncode}")
-        blocks = buffer.reshape(writers, SLOTS * page)
+            failed = _end_writers(procs)
+        if failed:
+            raise FaninFailed(f"writer(s) {', '.join(failed)} failed (their errors are above)")
+        blocks = buffer.reshape(writers, slots * page)
         for i in range(writers):
-            written = min(pages, SLOTS) * page
+            written = min(pages, slots) * page
             if not (blocks[i, :written] == i + 1).all():
-                raise RuntimeError(f"writer {i}'s pages are not byte-exact in the target")
+                raise FaninFailed(f"writer {i}'s pages are not byte-exact in the target")
     total = writers * pages
     return {"provider": provider, "writers": writers, "pages": total, "page_bytes": page, "per_call": per_call,
             "threads": threads, "cores": len(os.sched_getaffinity(0)), "seconds": elapsed,
             "pages_per_s": total / elapsed, "gbps": measure.gbps(total * page, elapsed),
             "writer_pages_per_s": statistics.median(pages / s for s in own)}
+
+
+def _end_writers(procs: list[subprocess.Popen]) -> list[str]:
+    """Tell every writer to end (stdin closed), and kill one still running 30 s later: those that failed."""
+    failed = []
+    for i, p in enumerate(procs):
+        p.stdin.close()
+        try:
+            code = p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            code = p.wait()
+        if code != 0:
+            failed.append(f"{i} (exit status {code})")
+    return failed
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,6 +160,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    if args.provider == fi.MODELED_PROVIDER:
+        os.environ.setdefault(PAYLOAD, "1")  # the pages are checked byte for byte: the model must move them
     r = run(args.provider, args.writers, args.pages, args.per_call, args.page_size, args.threads)
     print(f"{r['provider']}: {r['writers']} writers x {args.pages} pages of {r['page_bytes']} B "
           f"({r['per_call']} a call), {r['cores']} cores: {r['pages_per_s']:,.0f} pages/s in all "
@@ -110,4 +173,5 @@ def main(args) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--writer"]:
         prov, hexed, idx, n, per, size, thr = sys.argv[2:9]
-        _writer(prov, hexed, int(idx), int(n), int(per), int(size), int(thr) or None)
+        # its failure is one line on stderr; run() names the writer
+        cli.run(lambda _: _writer(prov, hexed, int(idx), int(n), int(per), int(size), int(thr) or None))
