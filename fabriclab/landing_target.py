@@ -298,8 +298,8 @@ class LandingTarget:
         if status == _native.IMM_BAD:
             return f"imm {lane.imm} is not a value the target counts (at most {_native.MAX_IMM})"
         return None if status == _native.IMM_OK else (
-            f"the target cannot count imm {lane.imm}: it already counts the most immediate values it counts at once "
-            f"({self.native.immediates_usage()['most']}), each awaited by an expect() or holding pages nobody took")
+            f"the target cannot count imm {lane.imm}: every one of the immediate values it counts at once "
+            f"({self.native.immediates_usage()['most']}) is awaited by an expect()")
 
     def _finish_copy(self, lane: _Lane) -> bool:
         owner, region, copies, copier, number = lane.owner, lane.region, lane.copies, lane.copier, lane.number
