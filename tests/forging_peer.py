@@ -10,8 +10,8 @@ lengths, fields out of range, a REQUEST with a guessed key), over and over. spoo
 writer WRITER_ID, for each of its first 64 jobs and each lane, saying the lane holds one page for byte DST
 of region REGION_ID under IMM. hog: a writer holding the region's descriptor (its id and KEY) that asks for
 2**32 - 1 lanes in each of REQUESTS transfers (as one engine), names them in ALIVE every HEARTBEAT_S and never
-fills a lane (RATE unused); it prints "holds N" whenever the number of lanes it holds changes, and at SIGTERM "held N
-refused R: TEXT" (the most it held at once, REFUSED messages, the first one's text). Prints "ready" once its endpoint is open, then sends until SIGTERM, which ends
+fills a lane (RATE unused); it prints "holds N" whenever the number of lanes it holds changes, "refused TEXT"
+for each transfer refused, and at SIGTERM "held N" (the most it held at once). Prints "ready" once its endpoint is open, then sends until SIGTERM, which ends
 it cleanly: its endpoint closed, so the target's replies to it fail instead of spinning (on shm, a send to a
 process SIGKILLed while it held its queue's lock spins for ever, stranding a thread of the tests' process)."""
 import signal
@@ -72,10 +72,9 @@ def hog(region, key, requests):
     jobs = list(range(1, requests + 1))
     mine = channel.address
     for job in jobs:
-        channel.send(target, H.pack(REQUEST, ME, job) + REQUEST.pack(region, key, 2 ** 32 - 1, len(mine)) + mine)
+        channel.send(target, H.pack(control.REQUEST, ME, job) + REQUEST.pack(region, key, 2 ** 32 - 1, len(mine)) + mine)
     held = dict.fromkeys(jobs, 0)  # job -> lanes it holds
-    most = refused = 0
-    first_refusal, heartbeat = "", 0.0
+    most, heartbeat = 0, 0.0
     while not stopping:
         if time.monotonic() - heartbeat > control.HEARTBEAT_S:
             heartbeat = time.monotonic()
@@ -88,13 +87,12 @@ def hog(region, key, requests):
                 held[job] += len(fields[0])
             elif kind == control.REFUSED:  # the whole transfer refused: its lanes went back
                 held[job] = 0
-                refused += 1
-                first_refusal = first_refusal or fields[2]
+                print(f"refused {fields[2]}", flush=True)
         if sum(held.values()) != before:
             most = max(most, sum(held.values()))
             print(f"holds {sum(held.values())}", flush=True)
         time.sleep(0.005)
-    print(f"held {most} refused {refused}: {first_refusal}", flush=True)
+    print(f"held {most}", flush=True)
 
 
 channel = control.ControlChannel(provider, None if domain == "-" else domain)
