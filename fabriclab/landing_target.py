@@ -16,7 +16,8 @@ No writer can hold the lanes from the others, whatever it asks for (a sender is 
 - A sender runs at most control.REQUESTS_PER_SENDER transfers at once at a target: a REQUEST beyond that is
   refused (writers keep to it: landing_writer holds further transfers back until one ends).
 So a writer that takes lanes and never fills them holds them FILL_S, not a lease, and never the share of a
-sender waiting beside it; its queued requests wait their turn behind the other senders', not before."""
+sender waiting beside it; its queued requests wait their turn behind the other senders', not before. (Each
+bound is per control endpoint: a local user who opens many endpoints, each a real one, counts as many.)"""
 from __future__ import annotations
 
 import collections
