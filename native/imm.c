@@ -134,7 +134,7 @@ static void flc_imm_rebuild_if_crowded(imm_table *t) {
 }
 
 /* The clock of the ring: ages are seconds, and the coarse clock costs a few ns where the precise one costs
- * tens (a value's first arrival reads it). Never ahead of fl_now_ns. */
+ * tens (a value's first arrival reads it). */
 static uint64_t flc_imm_clock(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
@@ -392,7 +392,7 @@ uint64_t fl_lane_drain(fl_engine *e, uint32_t lane) {
 uint64_t fl_imm_expire(fl_engine *e, uint64_t age_ns) {
     imm_table *t = e->service.imms;
     if (!t) return 0;
-    uint64_t dropped = 0, now = fl_now_ns();
+    uint64_t dropped = 0, now = flc_imm_clock();
     pthread_mutex_lock(&t->lock);
     while (t->ring_count && now - t->unclaimed[t->ring_head].since_ns >= age_ns) {
         int64_t i = flc_imm_pop_unclaimed(t);
