@@ -292,7 +292,8 @@ class NativeEngine:
 
     def await_immediates(self, imm: int, report_lost: bool) -> int:
         """Keep counting ``imm`` (arrivals before and after) until as many :meth:`release_immediates`: IMM_OK, or
-        IMM_FULL (not awaited: every value the table holds is awaited or holds arrivals nobody took). With
+        IMM_FULL (not awaited: every value the table holds is awaited; one holding arrivals nobody awaits gives
+        its place up, the oldest first). With
         ``report_lost``, IMM_LOST (not awaited) when arrivals of ``imm`` came while the table was full: said once."""
         return lib.fl_imm_await(self._ptr, imm, int(report_lost))
 
@@ -305,7 +306,7 @@ class NativeEngine:
 
     def credit_immediates(self, imm: int, count: int) -> int:
         """Count ``count`` more pages of ``imm`` (a staged target has copied them to their place): IMM_OK, or
-        IMM_LOST (not counted, and ``imm`` marked lost: the table was full)."""
+        IMM_LOST (not counted, and ``imm`` marked lost: every value the table holds was awaited)."""
         return lib.fl_imm_credit(self._ptr, imm, count)
 
     def take_lane(self, lane: int, count: int) -> bool:
@@ -316,13 +317,19 @@ class NativeEngine:
         """Consume every write into landing lane ``lane`` counted so far; how many there were."""
         return int(lib.fl_lane_drain(self._ptr, lane))
 
+    def expire_immediates(self, age: float) -> int:
+        """Drop the arrivals of values nobody has awaited for ``age`` seconds: how many values."""
+        return int(lib.fl_imm_expire(self._ptr, min(int(age * 1e9), 2 ** 64 - 1)))
+
     def immediates_usage(self) -> dict:
         """The count of immediate data: values holding a slot now, the most that may, arrivals not counted
-        (the table was full), values marked lost not yet reported, and the last value lost."""
+        (every slot awaited), values marked lost not yet reported, the last value lost, values whose arrivals
+        nobody awaited were dropped (pushed out by newer ones, or expired) and the last of those."""
         usage = ffi.new("fl_imm_usage *")
         lib.fl_imm_usage_get(self._ptr, usage)
         return {"values": int(usage.values), "most": int(usage.most), "lost": int(usage.lost),
-                "lost_values": int(usage.lost_values), "last_lost": int(usage.last_lost)}
+                "lost_values": int(usage.lost_values), "last_lost": int(usage.last_lost),
+                "dropped": int(usage.dropped), "last_dropped": int(usage.last_dropped)}
 
     @property
     def stopping(self) -> bool:

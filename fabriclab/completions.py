@@ -2,7 +2,8 @@
 
 The native engine counts each transfer's writes into a shared array (``_native.TRANSFER_FIELDS`` per id) and
 wakes the reaper when a transfer finished; the reaper resolves its future, enforces deadlines, counts
-expected immediate data and deregisters closed regions once no write can touch them."""
+expected immediate data (and drops the pages nobody expected for the engine's timeout) and deregisters
+closed regions once no write can touch them."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -21,7 +22,8 @@ from .nics import unique_registrations
 from .transfer import Transfer
 
 TRANSFER_SLOTS = 1 << 16
-LOST_WARNING_S = 10.0  # the most often the engine warns of immediate data it could not count
+LOST_WARNING_S = 10.0  # the most often the engine warns of immediate data it could not count, or dropped
+EXPIRE_S = 0.5  # how often the reaper drops the pages nobody expected for the engine's timeout
 PEER_CHECK_S = 0.25  # how often the reaper looks whether the peers of running transfers are gone (a few /proc reads)
 log = logging.getLogger("fabriclab")
 
@@ -47,17 +49,21 @@ Expectation = tuple[int, int, "concurrent.futures.Future[int]", float]
 class Completions:
     """Transfers in flight (by transfer id), expectations of immediate data and regions waiting to be
     deregistered, under ``lock`` (the service's: the native engine is freed under it); and the reaper thread
-    that settles them. It holds no reference to the Engine."""
+    that settles them. Pages of a value nobody expects are kept ``unexpected_s`` (the engine's timeout) for an
+    expect() to come. It holds no reference to the Engine."""
 
-    def __init__(self, native: _native.NativeEngine, lock: threading.Lock, link_timeout: float) -> None:
-        self.native, self.lock, self.link_timeout = native, lock, link_timeout
+    def __init__(self, native: _native.NativeEngine, lock: threading.Lock, link_timeout: float,
+                 unexpected_s: float) -> None:
+        self.native, self.lock, self.link_timeout, self.unexpected_s = native, lock, link_timeout, unexpected_s
         self.transfers = native.attach_transfers(TRANSFER_SLOTS)
         # A transfer id is free again only once the native engine has reported every write of it finished
         # and none it gave up on still posted: until then the engine may count writes against it.
         self.free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
         self.in_use: dict[int, tuple[Transfer, RegionState, np.ndarray]] = {}
         self.expectations: list[Expectation] = []
-        self.lost_warned = (0, -LOST_WARNING_S)  # immediate data not counted, as last warned of; when
+        # immediate data not counted and values dropped, as last warned of; when
+        self.lost_warned = (0, 0, -LOST_WARNING_S)
+        self.last_expiry = 0.0  # when the reaper last dropped the pages nobody expected for unexpected_s
         self.retired_regions: list[RegionState] = []
         self.next_deadline = float("inf")  # the earliest deadline the reaper has to look at
         self.peers_checked = 0.0  # when the reaper last looked for transfers to peers that are gone
@@ -165,6 +171,9 @@ class Completions:
                 for item in expectations:
                     self._guarded(self._check_expectation, item, now)
                 self._retire_regions()
+                if now > self.last_expiry + EXPIRE_S:
+                    self.last_expiry = now
+                    self.native.expire_immediates(self.unexpected_s)
                 self._warn_of_lost_counts(now)
                 self._fail_for_gone_peers(now)
             except Exception:  # a bug of ours: keep serving the other transfers, and say so
@@ -223,17 +232,26 @@ class Completions:
                                                      buffer_safe=True, about_buffer=False))
 
     def _warn_of_lost_counts(self, now: float) -> None:
-        """Say so when pages arrived that could not be counted (at most every LOST_WARNING_S seconds)."""
-        if now < self.lost_warned[1] + LOST_WARNING_S:
+        """Say so when pages arrived that could not be counted, or were dropped because nobody expected them (at
+        most every LOST_WARNING_S seconds)."""
+        if now < self.lost_warned[2] + LOST_WARNING_S:
             return
         usage = self.native.immediates_usage()
-        if usage["lost"] > self.lost_warned[0]:
+        lost, dropped = usage["lost"] - self.lost_warned[0], usage["dropped"] - self.lost_warned[1]
+        if lost:
             log.warning(
-                "%d arrival(s) of immediate data could not be counted (the last carried imm %d): this engine "
-                "already counted the most values it counts at once (%d), each awaited by an expect() or holding "
-                "pages nobody took. expect() of such a value raises UsageError; expect() every value peers write",
-                usage["lost"] - self.lost_warned[0], usage["last_lost"], usage["most"])
-            self.lost_warned = (usage["lost"], now)
+                "%d arrival(s) of immediate data could not be counted (the last carried imm %d): every one of the "
+                "values this engine counts at once (%d) was awaited by an expect(). expect() of such a value raises "
+                "UsageError; wait for some expectations to finish before adding more", lost, usage["last_lost"],
+                usage["most"])
+        if dropped:
+            log.warning(
+                "the pages of %d immediate value(s) that no expect() awaited were dropped (the last: imm %d): "
+                "pages nobody expects are kept %g s (the engine's timeout), or until their place is needed for a "
+                "newer value when all %d are taken. expect() every value peers write, in time",
+                dropped, usage["last_dropped"], self.unexpected_s, usage["most"])
+        if lost or dropped:
+            self.lost_warned = (usage["lost"], usage["dropped"], now)
 
     def _fail_for_gone_peers(self, now: float) -> None:
         """Fail with PeerLost the running transfers whose peer, a process of this host, is gone (at most every

@@ -59,6 +59,7 @@ REFUSED_BODY = struct.Struct("<HB")    # lane (NO_LANE: the whole transfer), why
 JOB = struct.Struct("<Q")              # ALIVE: the writer's jobs, one after another
 COPIED_IN_BODY = struct.Struct("<IQIQQ")  # region id, region key, imm, pages, bytes
 ALIVE_JOBS = 512                       # jobs one ALIVE names at most (4 KiB: fits any provider's messages)
+REQUESTS_PER_SENDER = 64               # transfers a writer runs at once at one target (landing_target refuses more)
 WHY = ("closed", "cuda", "timeout", "invalid", "engine")  # staging.FAILURES' names ("invalid": a message refused)
 
 log = logging.getLogger("fabriclab")

@@ -538,9 +538,13 @@ class Engine:
 
         The engine counts at most IMM_VALUES values at once: those awaited, and those holding pages that
         arrived before (or after) their expect() and were not taken yet. A value frees its place once its count
-        is taken and no expect() awaits it. Beyond that, expect() raises UsageError; and pages of a value that
-        arrive then are not counted: the next expect() of that value raises UsageError saying so, and the engine
-        logs a warning (``stats()["immediates"]["lost"]`` counts them)."""
+        is taken and no expect() awaits it. Pages nobody awaits are kept for an expect() to come for the engine's
+        ``timeout``, or until their place is needed for a newer value (the oldest go first), then dropped, with
+        a warning in the log (``stats()["immediates"]["dropped"]`` counts the values): a flood of values nobody
+        expects, or the late pages of expect()s that timed out, never hold the count for good. Only when every
+        place is awaited does expect() raise UsageError; pages of a value that arrive then are not counted: the
+        next expect() of that value raises UsageError saying so, and the engine logs a warning
+        (``stats()["immediates"]["lost"]`` counts them)."""
         self._service.check_open()
         imm = fi.integer(imm, "imm", 0, _native.MAX_IMM)
         count = fi.integer(count, "count", 1, _native.MAX_IMM_COUNT)
@@ -554,7 +558,8 @@ class Engine:
         whether defaults chose them, the worker group of each slot, and ``config``'s values ("config");
         "submitted": transfers, pages asked for and the writes they became (contiguous pages coalesced);
         "immediates": the count behind :meth:`expect` (values holding a place now, the most that may, arrivals
-        not counted because it was full, values of those not yet reported by an expect(), the last such value).
+        not counted because every place was awaited, values of those not yet reported by an expect(), the last
+        such value; values whose pages nobody expected were dropped, the last of those).
         After ``close()``, the last snapshot, with ``closed: True``."""
         return self._service.stats()
 

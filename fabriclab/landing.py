@@ -7,8 +7,9 @@ region. A writer asks the target for lanes, writes its pages into them (one writ
 engine's NICs as any write), and says what it wrote where; the target copies each lane's pages to their
 place in the region (``cuMemcpyHtoDAsync`` on CUDA streams) and only then counts them for ``expect`` and
 tells the writer, whose transfer resolves on that word. A lane goes back to the pool once copied, so a
-transfer larger than the pool streams through it, and several writers share it (lanes are granted in the
-order asked for).
+transfer larger than the pool streams through it, and several writers share it: lanes go round the writers
+waiting, each up to an equal share, and a transfer that holds lanes without filling them loses them within
+landing_target.FILL_S (how, and the other bounds on what one writer may hold: landing_target).
 
 The words go over a small control channel per engine (``fabriclab.control``: the messages, each checked
 as untrusted input, and the endpoint): one more endpoint of the same provider and domain as the engine's
@@ -30,7 +31,9 @@ to (a transfer is named by a random 64-bit number only it and the target know), 
 every page inside the region and the lane. A writer that breaks a rule has its transfer refused.
 
 Lanes are leased: a lane not filled and copied within the target engine's timeout returns to the pool, and
-with it everything of that transfer (its other lanes, the lanes it still waits for). A writer that is gone
+with it everything of that transfer (its other lanes, the lanes it still waits for); so does every lane of a
+transfer that filled none of its lanes for FILL_S, or whose writes into a lane did not arrive within FILL_S
+of its FILLED. A writer that is gone
 is dropped sooner: one whose control endpoint cannot be reached, or that went silent (writers name their
 running transfers to each target every HEARTBEAT_S; SILENT_S without a word and its requests and lanes go).
 Pages of a writer that still writes into a lane after losing it could mix with the next writer's: a writer

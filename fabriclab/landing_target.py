@@ -1,6 +1,23 @@
-"""The target half of ``fabriclab.landing``: the landing lanes of one engine, granted to writers' transfers in
-the order asked for, leased, and copied into their staged target regions once their writes arrived (every
-message of a writer checked as untrusted input: a writer lands only where a descriptor it holds allows)."""
+"""The target half of ``fabriclab.landing``: the landing lanes of one engine, granted to writers' transfers,
+leased, and copied into their staged target regions once their writes arrived (every message of a writer
+checked as untrusted input: a writer lands only where a descriptor it holds allows).
+
+No writer can hold the lanes from the others, whatever it asks for (a sender is a writer's control endpoint):
+
+- Lanes go round the senders waiting, one at a time each in turn (a sender's own requests in the order it
+  asked), each sender up to an equal share of the pool among those waiting; a sender alone may take the
+  whole pool. A request may ask for any number of lanes (a transfer larger than the pool streams through
+  it), but holds at most its share at once and gets the rest as its lanes come back.
+- A transfer holding lanes must fill one at least every FILL_S (from its last FILLED, or from being granted
+  lanes while it held none unfilled), and a lane's writes must arrive within FILL_S of its FILLED; if not, it
+  loses every lane and request (REFUSED, "timeout"). ALIVE keeps a waiting request queued and a silent writer
+  from being taken for gone; it never lengthens a lane's time. A lane's lease (the engine's timeout) still
+  bounds it from grant to copy.
+- A sender runs at most control.REQUESTS_PER_SENDER transfers at once at a target: a REQUEST beyond that is
+  refused (writers keep to it: landing_writer holds further transfers back until one ends).
+So a writer that takes lanes and never fills them holds them FILL_S, not a lease, and never the share of a
+sender waiting beside it; its queued requests wait their turn behind the other senders', not before. (Each
+bound is per control endpoint: a local user who opens many endpoints, each a real one, counts as many.)"""
 from __future__ import annotations
 
 import collections
@@ -16,6 +33,7 @@ from .control import NO_LANE, BadMessage
 from .completions import RegionState
 from .lanecopy import Copies, CudaCopier, HostCopier, checked_copies
 
+FILL_S = 5.0  # a transfer holding lanes fills one at least this often; a lane's writes arrive this soon after FILLED
 
 
 @dataclass(eq=False)
@@ -33,8 +51,9 @@ class TargetRegion:
 
 @dataclass(eq=False)
 class _Client:
-    """A writer's transfer as the target serves it: whose, where its control endpoint is, the region its
-    lanes are for, how many more lanes it waits for and which it holds, when the writer last spoke."""
+    """A writer's transfer as the target serves it: whose, where its control endpoint is (its sender), the
+    region its lanes are for, how many more lanes it waits for and which it holds, when the writer last spoke,
+    and when the transfer last made progress (a FILLED, or lanes granted while it held none unfilled)."""
     writer: int
     job: int
     dest: int
@@ -42,6 +61,7 @@ class _Client:
     wanted: int
     heard: float
     lanes: set[int] = field(default_factory=set)
+    progress: float = 0.0
 
 
 @dataclass(eq=False)
@@ -57,6 +77,68 @@ class _Lane:
     holds_count: bool = False    # holds imm's place in the engine's count until the lane is free
 
 
+class _Senders:
+    """The senders of a target's transfers (writers' control endpoints, by fi_addr): the requests of each
+    waiting for lanes, in order, the senders in the order of their turns; how many lanes each holds, how many
+    transfers each runs (the policy: the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, collections.deque[_Client]] = {}
+        self.holding: collections.Counter[int] = collections.Counter()
+        self.running: collections.Counter[int] = collections.Counter()
+
+    def join(self, client: _Client) -> bool:
+        """Queue a new transfer's request; False (not queued) when its sender runs REQUESTS_PER_SENDER here."""
+        if self.running[client.dest] >= control.REQUESTS_PER_SENDER:
+            return False
+        self.running[client.dest] += 1
+        self.waiting.setdefault(client.dest, collections.deque()).append(client)
+        return True
+
+    def turns(self, free: int, pool: int) -> list[_Client]:
+        """The transfers that get the next ``free`` lanes of a ``pool``, in order (fewer when each sender
+        waiting holds its share): a lane at a time to each sender waiting in turn (its oldest request first),
+        each up to an equal share of the pool among them. Counted as theirs; a request served in full leaves."""
+        served: list[_Client] = []
+        while len(served) < free and self.waiting:
+            share = -(-pool // len(self.waiting))
+            turns = [dest for dest in self.waiting if self.holding[dest] < share][:free - len(served)]
+            if not turns:
+                break
+            for dest in turns:
+                queue = self.waiting.pop(dest)
+                served.append(queue[0])
+                self.holding[dest] += 1
+                queue[0].wanted -= 1
+                if not queue[0].wanted:
+                    queue.popleft()
+                if queue:
+                    self.waiting[dest] = queue  # its next turn after the others'
+        return served
+
+    def unqueue(self, client: _Client) -> None:
+        """A request that waited leaves the queue (its transfer was dropped)."""
+        queue = self.waiting[client.dest]
+        queue.remove(client)
+        if not queue:
+            del self.waiting[client.dest]
+
+    def lane_back(self, dest: int) -> None:
+        """A lane sender ``dest`` held is back in the pool."""
+        _less(self.holding, dest)
+
+    def ended(self, dest: int) -> None:
+        """A transfer of sender ``dest`` no longer runs here."""
+        _less(self.running, dest)
+
+
+def _less(counter: collections.Counter[int], dest: int) -> None:
+    """One less for sender ``dest``, which leaves ``counter`` at none."""
+    counter[dest] -= 1
+    if not counter[dest]:
+        del counter[dest]
+
+
 class LandingTarget:
     """The lanes of one engine as a staged target (run on its landing thread, ``fabriclab.landing.Landing``):
     grants them, leases them, copies the pages written into them to their place, and answers the writers."""
@@ -65,12 +147,12 @@ class LandingTarget:
                  lock: threading.Lock, count_peer: Callable[[int, int], None], lease_s: float,
                  wake: threading.Event) -> None:
         self.channel, self.engine_id, self.native, self.lock, self.wake = channel, engine_id, native, lock, wake
-        self._count_peer, self.lease_s = count_peer, lease_s
+        self._count_peer, self.lease_s, self.fill_s = count_peer, lease_s, min(FILL_S, lease_s)
         self.pool: staging.PinnedPool | None = None
         self.lanes: list[_Lane] = []
         self.free: collections.deque[int] = collections.deque()
         self.clients: dict[tuple[int, int], _Client] = {}
-        self.requests: collections.deque[_Client] = collections.deque()  # waiting for lanes, in order
+        self.senders = _Senders()
         self.regions: dict[int, TargetRegion] = {}
         self.copiers: dict[str, HostCopier | CudaCopier] = {}
         self.landed_bytes = self.landed_lanes = 0
@@ -97,9 +179,12 @@ class LandingTarget:
 
     def stalled(self, now: float) -> None:
         """The landing thread did not run for a while: it heard nobody meanwhile, so its writers get control.SILENT_S
-        from ``now``."""
+        from ``now``, and FILL_S to fill a lane, or for a lane's writes to arrive."""
         for client in self.clients.values():
-            client.heard = now
+            client.heard = client.progress = now
+        for lane in self.lanes:
+            if lane.copies is not None:
+                lane.lease_ends = max(lane.lease_ends, now + self.fill_s)
 
     def unreachable(self, dest: int) -> None:
         """A control endpoint that takes no more messages: its writers are gone."""
@@ -137,27 +222,27 @@ class LandingTarget:
         if key != region.key:
             self._refuse(client, "invalid", f"the key for region {region_id} does not match its descriptor's")
             raise BadMessage(f"REQUEST for region {region_id} with a key that is not its descriptor's")
+        if not self.senders.join(client):
+            self._refuse(client, "engine", f"a writer runs at most {control.REQUESTS_PER_SENDER} transfers at once "
+                                           "at a staged target, and this one already runs that many here")
+            return
         self.clients[writer, job] = client
         self._count_peer(writer, 1)
-        self.requests.append(client)
 
     def _grant(self) -> bool:
-        granted = False
+        """Free lanes to the transfers whose turn it is (_Senders.turns); one GRANT per transfer served."""
+        grants: dict[_Client, list[int]] = {}
         now = time.monotonic()
-        while self.free and self.requests:
-            client = self.requests[0]
-            take = min(len(self.free), client.wanted)
-            lanes = [self.free.popleft() for _ in range(take)]
-            for number in lanes:
-                lane = self.lanes[number]
-                lane.owner, lane.lease_ends, lane.copies, lane.copier = client, now + self.lease_s, None, None
-                client.lanes.add(number)
+        for client in self.senders.turns(len(self.free), len(self.lanes)):
+            if all(self.lanes[n].copies is not None for n in client.lanes):
+                client.progress = now  # its clock to fill a lane starts now
+            lane = self.lanes[self.free.popleft()]
+            lane.owner, lane.lease_ends, lane.copies, lane.copier = client, now + self.lease_s, None, None
+            client.lanes.add(lane.number)
+            grants.setdefault(client, []).append(lane.number)
+        for client, lanes in grants.items():
             self._reply(client, control.GRANT, np.asarray(lanes, "<u2").tobytes())
-            client.wanted -= take
-            if client.wanted == 0:
-                self.requests.popleft()
-            granted = True
-        return granted
+        return bool(grants)
 
     def _holding(self, writer: int, job: int, number: int) -> tuple[_Client, _Lane]:
         """The client and lane a message about lane ``number`` may speak of: one leased to its sender."""
@@ -187,6 +272,8 @@ class LandingTarget:
             self._drop(client, ("closed", f"region {region_id} was closed while the transfer landed"))
             return
         lane.region, lane.imm, lane.pages = region, imm, entries.size
+        client.progress = time.monotonic()
+        lane.lease_ends = min(lane.lease_ends, client.progress + self.fill_s)  # its writes are on their way
 
     def released(self, writer: int, job: int, number: int) -> None:
         _, lane = self._holding(writer, job, number)
@@ -212,6 +299,7 @@ class LandingTarget:
         lane.owner, lane.region, lane.copies, lane.copier, lane.holds_count = None, None, None, None, False
         self.free.append(lane.number)
         client.lanes.discard(lane.number)
+        self.senders.lane_back(client.dest)
         if not client.lanes and not client.wanted:
             self._forget(client)
 
@@ -219,6 +307,7 @@ class LandingTarget:
         if self.clients.get((client.writer, client.job)) is client:
             del self.clients[client.writer, client.job]
             self._count_peer(client.writer, -1)
+            self.senders.ended(client.dest)
 
     def _drop(self, client: _Client, refuse: tuple[str, str] | None = None) -> None:
         """End a writer's transfer here, telling it ``refuse`` (why, text) if it may still listen: its request
@@ -227,7 +316,7 @@ class LandingTarget:
             self._refuse(client, *refuse)
         if client.wanted:
             client.wanted = 0
-            self.requests.remove(client)
+            self.senders.unqueue(client)
         for number in sorted(client.lanes):
             if self.lanes[number].copier is None:
                 self._free_lane(self.lanes[number])
@@ -253,9 +342,16 @@ class LandingTarget:
             elif lane.copies is not None and self.native.take_lane(lane.number, lane.pages):
                 self._start_copy(lane)
                 busy = True
+            elif lane.copies is None and now > lane.owner.progress + self.fill_s:
+                self._drop(lane.owner, ("timeout", f"lane {lane.number} was not filled: the transfer filled none of "
+                                                   f"its lanes for {self.fill_s:g} s (a transfer holding lanes must "
+                                                   f"fill one every {self.fill_s:g} s)"))
+                busy = True
             elif now > lane.lease_ends:
                 self._drop(lane.owner, ("timeout", f"lane {lane.number} was not filled within its lease of "
-                                                   f"{self.lease_s:g} s"))
+                                                   f"{self.lease_s:g} s" if lane.copies is None else
+                                                   f"the writes into lane {lane.number} did not arrive within "
+                                                   f"{self.fill_s:g} s of its FILLED"))
                 busy = True
         if now - self.last_sweep > control.HEARTBEAT_S:
             self.last_sweep = now
@@ -298,8 +394,8 @@ class LandingTarget:
         if status == _native.IMM_BAD:
             return f"imm {lane.imm} is not a value the target counts (at most {_native.MAX_IMM})"
         return None if status == _native.IMM_OK else (
-            f"the target cannot count imm {lane.imm}: it already counts the most immediate values it counts at once "
-            f"({self.native.immediates_usage()['most']}), each awaited by an expect() or holding pages nobody took")
+            f"the target cannot count imm {lane.imm}: every one of the immediate values it counts at once "
+            f"({self.native.immediates_usage()['most']}) is awaited by an expect()")
 
     def _finish_copy(self, lane: _Lane) -> bool:
         owner, region, copies, copier, number = lane.owner, lane.region, lane.copies, lane.copier, lane.number

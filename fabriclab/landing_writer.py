@@ -6,7 +6,12 @@ lane; it gives back what it no longer needs, and fails rather than write into la
 A job writes into at most WRITE_AHEAD lanes at once, in order, and the next granted lane as soon as one is
 filled: the engine spreads every posted write over its NICs, so lanes posted all at once would all finish
 together at the end, and the target could copy none of them while the others are written. A few at a time,
-each lane is filled (and copied by the target) while the next are written: the slowest step sets the pace."""
+each lane is filled (and copied by the target) while the next are written: the slowest step sets the pace.
+
+A target runs at most control.REQUESTS_PER_SENDER transfers of one writer at once (landing_target): further
+jobs into it wait here, in order, until one of those ends there (at once when the target said so, a COPIED
+or a REFUSED; else once the target has surely taken it for gone, SILENT_S after this writer stopped naming
+it), so a writer with many transfers in flight is never refused for that."""
 from __future__ import annotations
 
 import collections
@@ -52,6 +57,7 @@ class LandingJob:
     lanes: int = 0
     target: int = -1        # the target's control fi_addr
     number: int = 0
+    requested: bool = False  # it asked its target for lanes, and the target may still run it
     splits: collections.deque[tuple[int, int]] = field(default_factory=collections.deque)  # writes per lane
     granted: collections.deque[int] = field(default_factory=collections.deque)  # lanes held, not written yet
     in_flight: dict[int, list[Any]] = field(default_factory=dict)  # lane -> [first, end, Transfer, filled]
@@ -89,6 +95,10 @@ class LandingWriter:
         self.unsafe: list[LandingJob] = []  # failed jobs whose writes the provider has not all reported
         self.releasing: list[tuple[int, int, int, Transfer]] = []  # (target, job, lane, Transfer) once safe
         self.ended: collections.OrderedDict[int, int] = collections.OrderedDict()  # job -> target
+        self.asking: collections.Counter[int] = collections.Counter()  # target -> jobs it may still run
+        self.held_back: dict[int, collections.deque[LandingJob]] = {}  # target -> jobs waiting to ask, in order
+        self.lingering: collections.deque[tuple[float, int]] = collections.deque()  # (when, target): a job ended
+        # here without the target saying so, which it forgets by then
         self.last_heartbeat = time.monotonic()
 
     def start(self, jobs: list[LandingJob]) -> bool:
@@ -101,8 +111,31 @@ class LandingWriter:
             except fi.FabriclabError as exc:
                 self._fail(job, f"the target's control address does not fit this engine: {exc}", "engine")
                 continue
-            self._send_request(job)
+            self._ask(job)
         return bool(jobs)
+
+    def _ask(self, job: LandingJob) -> None:
+        """Ask ``job``'s target for lanes, or hold it back while the target runs REQUESTS_PER_SENDER of ours."""
+        if self.asking[job.target] >= control.REQUESTS_PER_SENDER:
+            self.held_back.setdefault(job.target, collections.deque()).append(job)
+            return
+        self.asking[job.target] += 1
+        job.requested = True
+        self._send_request(job)
+
+    def _target_forgot(self, target: int) -> None:
+        """A job of ours no longer runs at ``target``: the next one held back for it, still running, asks."""
+        self.asking[target] -= 1
+        if not self.asking[target]:
+            del self.asking[target]
+        waiting = self.held_back.get(target, collections.deque())
+        while waiting:
+            job = waiting.popleft()
+            if self.jobs.get(job.number) is job:
+                self._ask(job)
+                break
+        if not waiting:
+            self.held_back.pop(target, None)
 
     def stalled(self, gap: float) -> None:
         """The landing thread did not run for ``gap`` s (its process stopped, or starved of CPU): its targets
@@ -200,14 +233,14 @@ class LandingWriter:
             raise BadMessage(f"COPIED for lane {lane}, which job {number:#x} did not fill")
         del job.in_flight[lane]
         if not job.splits and not job.in_flight:
-            self._ended(job)
+            self._ended(job, forgotten=True)  # the target let it go before its last COPIED
             job.error = False  # resolved: no second resolution
             job.done(None, True)
 
     def refused(self, target: int, number: int, lane: int, why: str, text: str) -> None:
         job = self._job(target, number)
         if job is not None:
-            self._fail(job, f"the target refused the transfer: {text}", why)
+            self._fail(job, f"the target refused the transfer: {text}", why, forgotten=True)
 
     def work(self) -> bool:
         busy = False
@@ -236,6 +269,8 @@ class LandingWriter:
                 self._to_target(job, control.FILLED, control.FILLED_BODY.pack(job.region_id, lane, job.imm,
                                                                               end - first) + entries.tobytes())
                 entry[3] = True
+        while self.lingering and self.lingering[0][0] <= now:
+            self._target_forgot(self.lingering.popleft()[1])
         if self.jobs and now - self.last_heartbeat > control.HEARTBEAT_S:
             self.last_heartbeat = now
             self._heartbeat()
@@ -262,12 +297,13 @@ class LandingWriter:
             for message in control.alive(self.engine_id, numbers):
                 self.channel.send(target, message)
 
-    def _fail(self, job: LandingJob, message: str | None, why: str, cause: BaseException | None = None) -> None:
+    def _fail(self, job: LandingJob, message: str | None, why: str, cause: BaseException | None = None,
+              forgotten: bool = False) -> None:
         """Fail the caller's transfer once; its lanes not filled go back to the target once their writes (if
-        any) are reported."""
+        any) are reported. ``forgotten``: the target ended it (REFUSED)."""
         if job.error is not None:
             return
-        self._ended(job)
+        self._ended(job, forgotten)
         safe = all(sent.done() and sent._safety.safe for sent in job.posted)
         job.error = self.failure_type(message or str(cause), safe, why, cause)
         job.splits.clear()
@@ -282,11 +318,18 @@ class LandingWriter:
         if not safe:
             self.unsafe.append(job)
 
-    def _ended(self, job: LandingJob) -> None:
+    def _ended(self, job: LandingJob, forgotten: bool = False) -> None:
         """The job is no longer running. Remember where its lanes came from: grants may still come for it,
-        to give back."""
+        to give back. ``forgotten``: the target no longer runs it either (else it will, once this engine no
+        longer names it in ALIVE: by SILENT_S and a sweep or two)."""
         if self.jobs.pop(job.number, None) is job:
             self._count_peer(job.target_id, -1)
+        if job.requested:
+            job.requested = False
+            if forgotten:
+                self._target_forgot(job.target)
+            else:
+                self.lingering.append((time.monotonic() + control.SILENT_S + 2 * control.HEARTBEAT_S, job.target))
         self.ended[job.number] = job.target
         while len(self.ended) > ENDED_JOBS:
             self.ended.popitem(last=False)

@@ -98,7 +98,7 @@ class Service:
         self.provider, self.emulated = str(self.nics.provider), self.nics.emulated
         try:
             self.native = _native.NativeEngine(self.nics)
-            self.book = Completions(self.native, self.lock, self.link_timeout)
+            self.book = Completions(self.native, self.lock, self.link_timeout, self.timeout)
             self.native.attach_immediates(IMM_VALUES)
             if config.in_flight is not None:
                 self.native.limit_in_flight(config.in_flight)
@@ -162,15 +162,14 @@ class Service:
             usage = self.native.immediates_usage()
             if status == _native.IMM_LOST:
                 raise fi.UsageError(
-                    f"pages carrying imm {imm} arrived while this engine already counted the most immediate values "
-                    f"it counts at once ({usage['most']}, each awaited by an expect() or holding pages nobody took): "
-                    f"they were not counted, so expect({imm}, {count}) could never complete. expect() every value "
-                    "peers write into this engine (taking a value's count frees its place)")
+                    f"pages carrying imm {imm} arrived while every one of the immediate values this engine counts at "
+                    f"once ({usage['most']}) was awaited by an expect(): they were not counted, so expect({imm}, "
+                    f"{count}) could never complete. Keep fewer expect()s waiting at once (the value counts again "
+                    "from here)")
             raise fi.UsageError(
                 f"expect({imm}, {count}) cannot be counted: this engine counts at most {usage['most']} immediate "
-                f"values at once, and {usage['values']} are awaited by an expect() or hold pages that arrived and "
-                "were never taken. expect() the values peers write (taking a value's count frees its place), or "
-                "wait for some expectations to finish before adding more")
+                f"values at once, and every one is awaited by an expect() (or a staged target's copy). Wait for some "
+                "expectations to finish before adding more")
         self.native.watch_immediates(True)
         self.native.wake()
         return future

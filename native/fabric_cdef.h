@@ -283,7 +283,7 @@ void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes);
 #define FL_IMM_MAX_COUNT ...
 #define FL_IMM_LANES ...
 enum fl_imm_status { FL_IMM_OK, FL_IMM_FULL, FL_IMM_LOST, FL_IMM_BAD, ... };
-typedef struct fl_imm_usage { uint64_t values, most, lost, lost_values, last_lost; } fl_imm_usage;
+typedef struct fl_imm_usage { uint64_t values, most, lost, lost_values, last_lost, dropped, last_dropped; } fl_imm_usage;
 int fl_imm_attach(fl_engine *e, uint32_t most);
 int fl_imm_await(fl_engine *e, uint32_t value, int report_lost);
 void fl_imm_release(fl_engine *e, uint32_t value);
@@ -291,6 +291,7 @@ int fl_imm_take(fl_engine *e, uint32_t value, uint64_t count);
 int fl_imm_credit(fl_engine *e, uint32_t value, uint64_t count);
 int fl_lane_take(fl_engine *e, uint32_t lane, uint64_t count);
 uint64_t fl_lane_drain(fl_engine *e, uint32_t lane);
+uint64_t fl_imm_expire(fl_engine *e, uint64_t age_ns);
 void fl_imm_usage_get(fl_engine *e, fl_imm_usage *out);
 
 /* ------------------------------------------------------------- the course's run loops (course.h) */

@@ -13,7 +13,15 @@
  *   - a rebuild takes each word out with an exchange, so an add either landed before (and moves with the
  *     word) or fails and waits for the lock; a word put back where it was is the value's whole state, so
  *     an add that swaps it then is still right.
- * Writes into a staged target's landing lanes are counted apart, a counter per lane: never lost. */
+ * Writes into a staged target's landing lanes are counted apart, a counter per lane: never lost.
+ *
+ * Values that hold pages nobody awaits are queued in `unclaimed`, oldest first (a ring of (key, seq, since):
+ * an entry stands while its slot's `seqs` still names it; one that no longer does, because the value was
+ * awaited or given up meanwhile, is skipped when met, and dropped from the ring when it is full). A place
+ * for a new value, when every one is held, comes from the oldest of them (its pages dropped), and
+ * fl_imm_expire drops those that waited longer than an age: so arrivals nobody expects, a flood of them
+ * or the late pages of expect()s that timed out, never hold the table for good. Only values awaited are
+ * never dropped. */
 #define _GNU_SOURCE
 #include "core_internal.h"
 
@@ -24,13 +32,23 @@
 #define VALUE_MASK ((1ull << FL_IMM_VALUE_BITS) - 1)
 #define MAX_MOST (1u << 22)
 
+typedef struct imm_unclaimed {
+    uint64_t since_ns; /* when its pages began waiting for nobody (flc_imm_clock) */
+    uint32_t key, seq;
+    uint32_t slot;     /* where it was then: still there unless a rebuild moved it */
+} imm_unclaimed;
+
 typedef struct imm_table {
     _Atomic uint64_t *words;
     uint32_t *waiters;        /* per slot, under the lock: fl_imm_await calls not yet released */
     uint32_t slots, shift;    /* slots: a power of two, twice `most`; shift: 64 - log2(slots) */
     uint32_t most, live, tombs; /* live: slots held (under the lock); tombs: slots given up since the rebuild */
-    uint64_t *moving;         /* a rebuild's live words and their waiters (room for `most`) */
-    uint32_t *moving_waiters;
+    uint32_t *seqs;           /* per slot, under the lock: its entry in `unclaimed` (0: none: awaited, or free) */
+    imm_unclaimed *unclaimed; /* a ring of `slots` entries, oldest first, under the lock (see above) */
+    uint32_t ring_head, ring_count, next_seq;
+    uint64_t dropped, last_dropped; /* values whose pages nobody awaited were dropped; the last such value */
+    uint64_t *moving;         /* a rebuild's live words with their waiters and seqs (room for `most`) */
+    uint32_t *moving_waiters, *moving_seqs;
     uint8_t *lost;            /* a bit per value: an arrival of it was not counted (under the lock) */
     uint64_t lost_values, last_lost;
     _Atomic uint64_t lost_arrivals;
@@ -77,13 +95,14 @@ static int flc_imm_add_if_held(imm_table *t, uint64_t key, uint64_t pages) {
 }
 
 /* Put `word` in the first free slot of its key's probe sequence (the key holds none). Under the lock. */
-static uint32_t flc_imm_place(imm_table *t, uint64_t word, uint32_t waiters) {
+static uint32_t flc_imm_place(imm_table *t, uint64_t word, uint32_t waiters, uint32_t seq) {
     uint32_t mask = t->slots - 1, i = flc_imm_home(t, flc_imm_key_of(word));
     for (;;) {
         uint64_t seen = atomic_load_explicit(&t->words[i], memory_order_relaxed);
         if (seen == 0 || seen == TOMB) {
             t->tombs -= seen == TOMB;
             t->waiters[i] = waiters;
+            t->seqs[i] = seq;
             atomic_store_explicit(&t->words[i], word, memory_order_release);
             t->live++;
             return i;
@@ -102,6 +121,7 @@ static void flc_imm_rebuild_if_crowded(imm_table *t) {
         uint64_t word = atomic_exchange_explicit(&t->words[i], TOMB, memory_order_acq_rel);
         if (flc_imm_key_of(word)) {
             t->moving[n] = word;
+            t->moving_seqs[n] = t->seqs[i];
             t->moving_waiters[n++] = t->waiters[i];
         }
     }
@@ -110,16 +130,76 @@ static void flc_imm_rebuild_if_crowded(imm_table *t) {
         atomic_store_explicit(&t->words[i], 0, memory_order_release);
     }
     t->live = t->tombs = 0;
-    for (uint32_t k = 0; k < n; k++) flc_imm_place(t, t->moving[k], t->moving_waiters[k]);
+    for (uint32_t k = 0; k < n; k++) flc_imm_place(t, t->moving[k], t->moving_waiters[k], t->moving_seqs[k]);
 }
 
-/* The slot of `key`, claimed (count 0) when it holds none: -1 when every slot is held. Under the lock. */
+/* The clock of the ring: ages are seconds, and the coarse clock costs a few ns where the precise one costs
+ * tens (a value's first arrival reads it). */
+static uint64_t flc_imm_clock(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The slot `entry` of the ring stands for, or -1 (a stale entry). Under the lock. */
+static int64_t flc_imm_unclaimed_slot(imm_table *t, const imm_unclaimed *entry) {
+    uint64_t word = atomic_load_explicit(&t->words[entry->slot], memory_order_relaxed);
+    int64_t i = flc_imm_key_of(word) == entry->key ? entry->slot : flc_imm_find(t, entry->key);
+    return i >= 0 && t->seqs[i] == entry->seq ? i : -1;
+}
+
+/* The oldest entry of the ring, taken out: the slot it stood for (-1: it was stale). The ring is not empty.
+ * Under the lock. */
+static int64_t flc_imm_pop_unclaimed(imm_table *t) {
+    imm_unclaimed entry = t->unclaimed[t->ring_head];
+    t->ring_head = (t->ring_head + 1) & (t->slots - 1);
+    t->ring_count--;
+    return flc_imm_unclaimed_slot(t, &entry);
+}
+
+/* Slot `i` holds pages nobody awaits from now on: the newest of the ring. A full ring first loses its stale
+ * entries: those that stand hold a slot each, at most `most` (half the ring), so that frees half of it. Under
+ * the lock. */
+static void flc_imm_unclaimed(imm_table *t, uint32_t i) {
+    uint32_t mask = t->slots - 1;
+    if (t->ring_count == t->slots) {
+        uint32_t kept = 0;
+        for (uint32_t k = 0; k < t->ring_count; k++) {
+            imm_unclaimed entry = t->unclaimed[(t->ring_head + k) & mask];
+            if (flc_imm_unclaimed_slot(t, &entry) >= 0) t->unclaimed[(t->ring_head + kept++) & mask] = entry;
+        }
+        t->ring_count = kept;
+    }
+    t->seqs[i] = ++t->next_seq ? t->next_seq : ++t->next_seq; /* never 0 */
+    t->unclaimed[(t->ring_head + t->ring_count++) & mask] = (imm_unclaimed){
+        .since_ns = flc_imm_clock(),
+        .key = (uint32_t)flc_imm_key_of(atomic_load_explicit(&t->words[i], memory_order_relaxed)),
+        .seq = t->seqs[i], .slot = i};
+}
+
+/* Drop the pages slot `i` holds for nobody: its place is free. An add racing with it fails its swap and
+ * counts under the lock, in a slot of its own. Under the lock. */
+static void flc_imm_drop(imm_table *t, uint32_t i) {
+    uint64_t word = atomic_exchange_explicit(&t->words[i], TOMB, memory_order_acq_rel);
+    t->seqs[i] = 0;
+    t->live--;
+    t->tombs++;
+    t->dropped++;
+    t->last_dropped = flc_imm_key_of(word) - 1;
+}
+
+/* The slot of `key`, claimed (count 0) when it holds none, in the place of the value that has held pages for
+ * nobody the longest when every slot is held: -1 when every slot is awaited. Under the lock. */
 static int64_t flc_imm_hold(imm_table *t, uint64_t key) {
     int64_t i = flc_imm_find(t, key);
     if (i >= 0) return i;
+    while (t->live >= t->most && t->ring_count) {
+        int64_t oldest = flc_imm_pop_unclaimed(t);
+        if (oldest >= 0) flc_imm_drop(t, (uint32_t)oldest);
+    }
     if (t->live >= t->most) return -1;
     flc_imm_rebuild_if_crowded(t);
-    return flc_imm_place(t, key << FL_IMM_COUNT_BITS, 0);
+    return flc_imm_place(t, key << FL_IMM_COUNT_BITS, 0, 0);
 }
 
 /* Give up slot `i` if nothing awaits it and it holds no arrival (an add that comes first keeps it). */
@@ -153,7 +233,10 @@ static int flc_imm_add(imm_table *t, uint64_t value, uint64_t pages) {
     if (done == 0) {
         int64_t i = flc_imm_hold(t, key);
         done = i < 0 ? -1 : 1;
-        if (i >= 0) atomic_fetch_add_explicit(&t->words[i], pages, memory_order_acq_rel);
+        if (i >= 0) {
+            atomic_fetch_add_explicit(&t->words[i], pages, memory_order_acq_rel);
+            flc_imm_unclaimed(t, (uint32_t)i); /* a slot of its own, just claimed: nobody awaits it */
+        }
     }
     if (done < 0) flc_imm_mark_lost(t, value);
     pthread_mutex_unlock(&t->lock);
@@ -192,10 +275,15 @@ int fl_imm_attach(fl_engine *e, uint32_t most) {
     }
     t->words = calloc(t->slots, sizeof *t->words);
     t->waiters = calloc(t->slots, sizeof *t->waiters);
+    t->seqs = calloc(t->slots, sizeof *t->seqs);
+    t->unclaimed = calloc(t->slots, sizeof *t->unclaimed);
     t->moving = calloc(most, sizeof *t->moving);
     t->moving_waiters = calloc(most, sizeof *t->moving_waiters);
+    t->moving_seqs = calloc(most, sizeof *t->moving_seqs);
     t->lost = calloc((VALUE_MASK + 1) / 8, 1); /* 2 MiB, untouched (no memory) until a value is lost */
-    if (t->words && t->waiters && t->moving && t->moving_waiters && t->lost) return 0;
+    if (t->words && t->waiters && t->seqs && t->unclaimed && t->moving && t->moving_waiters && t->moving_seqs &&
+        t->lost)
+        return 0;
     flc_imm_detach(e);
     return -FI_ENOMEM;
 }
@@ -206,8 +294,11 @@ void flc_imm_detach(fl_engine *e) {
     pthread_mutex_destroy(&t->lock);
     free((void *)t->words);
     free(t->waiters);
+    free(t->seqs);
+    free(t->unclaimed);
     free(t->moving);
     free(t->moving_waiters);
+    free(t->moving_seqs);
     free(t->lost);
     free(t);
     e->service.imms = NULL;
@@ -229,8 +320,12 @@ int fl_imm_await(fl_engine *e, uint32_t value, int report_lost) {
         status = FL_IMM_LOST;
     } else {
         int64_t i = flc_imm_hold(t, value + 1ull);
-        if (i < 0) status = FL_IMM_FULL;
-        else t->waiters[i]++;
+        if (i < 0) {
+            status = FL_IMM_FULL;
+        } else {
+            t->waiters[i]++;
+            t->seqs[i] = 0; /* awaited: never dropped (its entry in the ring, if any, no longer stands) */
+        }
     }
     pthread_mutex_unlock(&t->lock);
     return status;
@@ -244,6 +339,8 @@ void fl_imm_release(fl_engine *e, uint32_t value) {
     if (i >= 0 && t->waiters[i]) {
         t->waiters[i]--;
         flc_imm_give_up_if_idle(t, (uint32_t)i);
+        if (!t->waiters[i] && flc_imm_key_of(atomic_load_explicit(&t->words[i], memory_order_acquire)))
+            flc_imm_unclaimed(t, (uint32_t)i); /* pages left that nobody awaits now */
     }
     pthread_mutex_unlock(&t->lock);
 }
@@ -292,13 +389,29 @@ uint64_t fl_lane_drain(fl_engine *e, uint32_t lane) {
     return atomic_exchange_explicit(&t->lanes[lane], 0, memory_order_acq_rel);
 }
 
+uint64_t fl_imm_expire(fl_engine *e, uint64_t age_ns) {
+    imm_table *t = e->service.imms;
+    if (!t) return 0;
+    uint64_t dropped = 0, now = flc_imm_clock();
+    pthread_mutex_lock(&t->lock);
+    while (t->ring_count && now - t->unclaimed[t->ring_head].since_ns >= age_ns) {
+        int64_t i = flc_imm_pop_unclaimed(t);
+        if (i >= 0) {
+            flc_imm_drop(t, (uint32_t)i);
+            dropped++;
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    return dropped;
+}
+
 void fl_imm_usage_get(fl_engine *e, fl_imm_usage *out) {
     imm_table *t = e->service.imms;
     *out = (fl_imm_usage){0};
     if (!t) return;
     pthread_mutex_lock(&t->lock);
     *out = (fl_imm_usage){.values = t->live, .most = t->most, .lost_values = t->lost_values,
-                          .last_lost = t->last_lost,
+                          .last_lost = t->last_lost, .dropped = t->dropped, .last_dropped = t->last_dropped,
                           .lost = atomic_load_explicit(&t->lost_arrivals, memory_order_relaxed)};
     pthread_mutex_unlock(&t->lock);
 }

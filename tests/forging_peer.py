@@ -3,11 +3,15 @@ real control endpoint of its own (fabriclab.control.ControlChannel), to a staged
 
     python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE garbage
     python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE spoof WRITER_ID REGION_ID IMM DST
+    python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE hog REGION_ID KEY REQUESTS
 ADDRESS_HEX is the target's control address (a staged descriptor's LandingRoute.address) as hex; RATE the
 messages sent a second. garbage: malformed messages of every kind (1 byte, truncated, unknown kinds, wrong
 lengths, fields out of range, a REQUEST with a guessed key), over and over. spoof: FILLED claiming to be
 writer WRITER_ID, for each of its first 64 jobs and each lane, saying the lane holds one page for byte DST
-of region REGION_ID under IMM. Prints "ready" once its endpoint is open, then sends until SIGTERM, which ends
+of region REGION_ID under IMM. hog: a writer holding the region's descriptor (its id and KEY) that asks for
+2**32 - 1 lanes in each of REQUESTS transfers (as one engine), names them in ALIVE every HEARTBEAT_S and never
+fills a lane (RATE unused); it prints "holds N" whenever the number of lanes it holds changes, "refused TEXT"
+for each transfer refused, and at SIGTERM "held N" (the most it held at once). Prints "ready" once its endpoint is open, then sends until SIGTERM, which ends
 it cleanly: its endpoint closed, so the target's replies to it fail instead of spinning (on shm, a send to a
 process SIGKILLed while it held its queue's lock spins for ever, stranding a thread of the tests' process)."""
 import signal
@@ -63,12 +67,45 @@ def spoofed(writer, region, imm, dst):
             for job in range(1, 65) for lane in range(16)]
 
 
+def hog(region, key, requests):
+    """Ask for every lane there is in ``requests`` transfers, keep them alive, fill none (see above)."""
+    jobs = list(range(1, requests + 1))
+    mine = channel.address
+    for job in jobs:
+        channel.send(target, H.pack(control.REQUEST, ME, job) + REQUEST.pack(region, key, 2 ** 32 - 1, len(mine)) + mine)
+    held = dict.fromkeys(jobs, 0)  # job -> lanes it holds
+    most, heartbeat = 0, 0.0
+    while not stopping:
+        if time.monotonic() - heartbeat > control.HEARTBEAT_S:
+            heartbeat = time.monotonic()
+            for message in control.alive(ME, jobs):
+                channel.send(target, message)
+        before = sum(held.values())
+        for message in channel.progress()[0]:
+            kind, _, job, fields = control.read(message)
+            if kind == control.GRANT:
+                held[job] += len(fields[0])
+            elif kind == control.REFUSED:  # the whole transfer refused: its lanes went back
+                held[job] = 0
+                print(f"refused {fields[2]}", flush=True)
+        if sum(held.values()) != before:
+            most = max(most, sum(held.values()))
+            print(f"holds {sum(held.values())}", flush=True)
+        time.sleep(0.005)
+    print(f"held {most}", flush=True)
+
+
 channel = control.ControlChannel(provider, None if domain == "-" else domain)
 target = channel.peer(address)
 rng = np.random.default_rng(7)
-messages = garbage(rng, channel.address) if mode == "garbage" else spoofed(*(int(x) for x in sys.argv[6:10]))
 stopping = []
 signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+if mode == "hog":
+    print("ready", flush=True)
+    hog(*(int(x) for x in sys.argv[6:9]))
+    channel.close()
+    sys.exit(0)
+messages = garbage(rng, channel.address) if mode == "garbage" else spoofed(*(int(x) for x in sys.argv[6:10]))
 print("ready", flush=True)
 sent, started = 0, time.monotonic()
 while not stopping:

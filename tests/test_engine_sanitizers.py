@@ -42,7 +42,9 @@ def test_immediate_counts_under_sanitizer(sanitizer, values, tmp_path):
     """Issue 21, item 3: two threads count the pages of ``values`` arrivals as they land while a third awaits,
     takes and gives back each, through a table of 64 slots; one value's pages land in step with an expect()
     after another that takes each and gives its slot back at once: every page counted once, every slot back, a
-    full table refusing and reporting what it could not count; no data race, no leak. (Optimised, the in-step
+    table every slot of which is awaited refusing and reporting what it could not count; values nobody awaits
+    giving their slots up (the oldest first, or expired; issue 31, item 6), a flood of them landing on a thread
+    of its own while expects count exactly; no data race, no leak. (Optimised, the in-step
     part catches a slot given up over a page landing in it within some 10^5 pages: hence more values.)"""
     run = run_sanitized(sanitized_build(sanitizer, "imm_selftest", tmp_path), str(values))
     assert f"imm selftest: {values} values through 64 slots, ok" in run.stdout

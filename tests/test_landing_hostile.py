@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from fabriclab import TransferError, bootstrap, control
+from fabriclab import TransferError, TransferTimeout, bootstrap, control, landing_target
 from fabriclab.errors import StagingFailed
 from fabriclab.wire import decode_region, seal as _seal, unseal as _unseal
 from helpers import LINE_TIMEOUT, Child, PeerProcess, python
@@ -288,3 +288,80 @@ def test_a_control_queue_stuck_in_a_read_fails_staged_transfers_and_never_blocks
     release.set()
     stuck.join(5)
     assert not stuck.is_alive()
+
+
+# ------------------------------------------------------------------- lanes hogged (issue 31, item 5)
+
+
+@pytest.mark.parametrize("requests", [1, 100], ids=["one-request", "100-requests"])
+def test_a_writer_holding_every_lane_and_filling_none_never_starves_an_honest_one(fabric, requests):
+    """A writer holding the region's descriptor (tests/forging_peer.py) asks for 2**32 - 1 lanes in ``requests``
+    transfers, keeps them alive every 0.25 s and never fills a lane. It held every lane for a whole lease (the
+    target's timeout, 30 s here), and each of its queued requests one lease more: an honest one-page write with
+    a 20 s deadline failed. Now a transfer that fills none of the lanes it holds for FILL_S loses them, the
+    lanes go round the writers waiting (one sender, one turn), and a writer may run REQUESTS_PER_SENDER
+    transfers at a target at once: the honest page lands within FILL_S and some."""
+    with staged_target(fabric, timeout=30) as target, writer_engine(fabric, timeout=20) as honest:
+        landed = np.zeros(4 * PAGE, np.uint8)
+        region = target._register_staged_host(landed)
+        descriptor = region.descriptor()
+        hog = forging_peer(fabric, descriptor, 1, "hog", str(region.id), str(decode_region(descriptor).landing.key),
+                           str(requests))
+        try:
+            said = hog_said(hog, "holds 4")  # every lane of the pool
+            started = time.monotonic()
+            assert honest_write(honest, descriptor, target.address, 7, [3], imm=2, timeout=20).pages == 1
+            took = time.monotonic() - started
+            print(f"\nthe honest page landed {took:.1f} s after the hog held every lane ({requests} request(s))")
+            assert target.expect(2, 1).result(10) == 1 and np.all(landed[3 * PAGE:] == 7)
+            assert hog.poll() is None  # it still asks all along
+        finally:
+            stop(hog)
+        said += hog_said(hog, "held")
+    assert took < landing_target.FILL_S + 5, f"the honest page took {took:.1f} s"
+    assert "held 4" in said and any("was not filled" in line for line in said), said
+    too_many = [line for line in said if f"at most {control.REQUESTS_PER_SENDER} transfers" in line]
+    assert len(too_many) == max(requests - control.REQUESTS_PER_SENDER, 0), said
+
+
+def hog_said(hog, until):
+    """The lines tests/forging_peer.py's hog prints from here up to one that starts with ``until``."""
+    said = [hog.line(LINE_TIMEOUT, f"the hog's {until!r}")]
+    while not said[-1].startswith(until):
+        said.append(hog.line(LINE_TIMEOUT, f"the hog's {until!r}"))
+    return said
+
+
+def test_a_writer_with_more_transfers_at_a_target_than_it_may_run_there_lands_them_all(fabric):
+    """A target runs at most REQUESTS_PER_SENDER transfers of one writer at once and refuses more; a writer
+    with 150 one-page transfers into it at once holds the others back until one ends, so none is refused."""
+    with staged_target(fabric) as target, writer_engine(fabric, timeout=60) as writer:
+        region = target._register_staged_host(np.zeros(16 * PAGE, np.uint8))
+        descriptor, peer = region.descriptor(), writer.connect(target.address)
+        source = writer.register(np.full(PAGE, 5, np.uint8))
+        transfers = [peer.write_pages(source, [0], descriptor, [i % 16], PAGE, imm=9) for i in range(150)]
+        assert [t.result(60).pages for t in transfers] == [1] * 150
+        assert target.expect(9, 150).result(10) == 150
+
+
+def test_transfers_that_failed_at_the_writer_are_not_counted_against_its_next_ones(fabric):
+    """REQUESTS_PER_SENDER transfers fail at the writer (their deadline passes while a hog holds every lane);
+    the target still runs them until it takes them for gone (SILENT_S without an ALIVE naming them). The
+    writer's next transfers wait for that instead of asking at once, so the target does not refuse them."""
+    with staged_target(fabric, timeout=30) as target, writer_engine(fabric, timeout=30) as writer:
+        region = target._register_staged_host(np.zeros(16 * PAGE, np.uint8))
+        descriptor = region.descriptor()
+        hog = forging_peer(fabric, descriptor, 1, "hog", str(region.id), str(decode_region(descriptor).landing.key),
+                           "1")
+        try:
+            hog_said(hog, "holds 4")
+            peer, source = writer.connect(target.address), writer.register(np.full(PAGE, 5, np.uint8))
+            doomed = [peer.write_pages(source, [0], descriptor, [i % 16], PAGE, imm=9, timeout=0.5)
+                      for i in range(control.REQUESTS_PER_SENDER)]
+            for transfer in doomed:
+                with pytest.raises(TransferTimeout):
+                    transfer.result(10)
+            after = [peer.write_pages(source, [0], descriptor, [i], PAGE, imm=10, timeout=25) for i in range(8)]
+            assert [t.result(30).pages for t in after] == [1] * 8
+        finally:
+            stop(hog)

@@ -305,9 +305,9 @@ def test_a_staged_target_counts_one_value_per_request_beyond_4096(fabric, caplog
 
 
 def test_a_staged_target_whose_count_is_full_refuses_the_write_and_stays_whole(fabric, monkeypatch, caplog):
-    """A value the target cannot count (every place held by values nobody took) fails the writer's transfer
-    with the reason before anything is copied, never loops, never loses a count; once values are taken their
-    places serve new ones, and writes without a value land all along."""
+    """A value the target cannot count (every place awaited by an expect()) fails the writer's transfer with the
+    reason before anything is copied, never loops, never loses a count; once values are taken their places
+    serve new ones, and writes without a value land all along."""
     monkeypatch.setattr(engine_module, "IMM_VALUES", 2)
     with staged_target(fabric) as target, writer_engine(fabric) as writer, \
             caplog.at_level(logging.ERROR, logger="fabriclab"):
@@ -315,16 +315,17 @@ def test_a_staged_target_whose_count_is_full_refuses_the_write_and_stays_whole(f
         region = target._register_staged_host(landed)
         peer = writer.connect(target.address)
         src, descriptor = writer.register(np.full(PAGE, 3, np.uint8)), region.descriptor()
-        for imm in (0, 1):  # nobody expects them yet: each holds a place
-            peer.write_pages(src, [0], descriptor, [imm], PAGE, imm=imm).result(30)
+        waiting = [target.expect(imm, 1, timeout=60) for imm in (0, 1)]  # every place awaited
         with pytest.raises(TransferError, match="cannot count imm 2: .* at once \\(2\\)") as refused:
             peer.write_pages(src, [0], descriptor, [2], PAGE, imm=2).result(30)
         assert refused.value.buffer_safe and not landed[2 * PAGE:3 * PAGE].any()  # refused before any copy
         assert peer.write_pages(src, [0], descriptor, [3], PAGE).result(30).pages == 1  # no value: lands
         assert region._state.in_use == 0 and target.stats()["immediates"]["lost"] == 0
-        assert target.expect(0, 1).result(10) == 1  # a place comes back
+        for imm in (0, 1):
+            peer.write_pages(src, [0], descriptor, [imm], PAGE, imm=imm).result(30)
+        assert [w.result(10) for w in waiting] == [1, 1]  # their places come back
         peer.write_pages(src, [0], descriptor, [2], PAGE, imm=2).result(30)
-        assert target.expect(2, 1).result(10) == 1 and target.expect(1, 1).result(10) == 1
+        assert target.expect(2, 1).result(10) == 1
         assert np.all(landed == 3) and target.stats()["immediates"]["values"] == 0
         assert "hit an error" not in caplog.text
 

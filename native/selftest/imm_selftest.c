@@ -1,8 +1,9 @@
 /* The count behind Engine.expect (native/imm.c) on its own, for the sanitizer builds the test suite makes and
  * as a micro benchmark: worker threads count arrivals the way poll_nic does (count_imm) while a taker awaits,
  * takes and releases them the way the engine's reaper does, over a table far smaller than the values that
- * pass through it. Checks every page is counted exactly once, that slots come back, that a full table
- * refuses and reports what it could not count, and prints ns per count_imm.
+ * pass through it. Checks every page is counted exactly once, that slots come back, that values nobody awaits
+ * give theirs up (the oldest first, or once expired; a flood of them racing with honest counts), that a table every slot of which is awaited refuses and
+ * reports what it could not count, and prints ns per count_imm.
  *
  * usage: imm_selftest VALUES [BENCH_COUNTS]   (exit status 0 = all good; BENCH_COUNTS: also print the figures)
  * build: cc -O2 native/selftest/imm_selftest.c native/{core,course,service,imm}.c -lfabric -lpthread
@@ -79,8 +80,9 @@ static void exact_counts(void) {
     for (int i = 0; i <= WORKERS; i++) pthread_join(threads[i], NULL);
     fl_imm_usage usage;
     fl_imm_usage_get(E, &usage);
-    CHECK(usage.values == 0 && usage.lost == 0, "after every value was taken: %llu values hold a slot, %llu lost",
-          (unsigned long long)usage.values, (unsigned long long)usage.lost);
+    CHECK(usage.values == 0 && usage.lost == 0 && usage.dropped == 0,
+          "after every value was taken: %llu values hold a slot, %llu lost, %llu dropped",
+          (unsigned long long)usage.values, (unsigned long long)usage.lost, (unsigned long long)usage.dropped);
     for (uint64_t v = 0; v < VALUES; v++)
         CHECK(!fl_imm_take(E, value_of(v), 1), "value %u counted more pages than it got", value_of(v));
     for (uint32_t lane = 0; lane < WORKERS; lane++) {
@@ -123,24 +125,73 @@ static void one_value_taken_as_it_streams(void) {
     CHECK(!fl_imm_take(E, 7, 1), "value 7 counted more pages than it got");
 }
 
-/* Values nobody takes fill the table: what cannot be counted is reported, never dropped in silence. */
+/* Values nobody awaits give their slots up to new ones, the oldest first, and expire; only a table every slot
+ * of which is awaited refuses, and what it could not count is reported, never dropped in silence. */
 static void full_table(void) {
-    for (uint32_t v = 0; v < MOST + 5; v++) flc_count_imm(E, v);
     fl_imm_usage usage;
+    for (uint32_t v = 0; v < MOST + 5; v++) flc_count_imm(E, v); /* nobody awaits them */
     fl_imm_usage_get(E, &usage);
-    CHECK(usage.values == MOST && usage.lost == 5 && usage.lost_values == 5 && usage.last_lost == MOST + 4,
-          "a full table: %llu values, %llu lost", (unsigned long long)usage.values, (unsigned long long)usage.lost);
-    CHECK(fl_imm_await(E, MOST + 1, 1) == FL_IMM_LOST, "a lost value was not reported");
-    CHECK(fl_imm_await(E, MOST + 100, 1) == FL_IMM_FULL, "a full table took one more value");
-    CHECK(fl_imm_credit(E, MOST + 100, 3) == FL_IMM_LOST, "a full table counted one more value");
+    CHECK(usage.values == MOST && usage.lost == 0 && usage.dropped == 5 && usage.last_dropped == 4,
+          "values nobody awaits: %llu values, %llu lost, %llu dropped", (unsigned long long)usage.values,
+          (unsigned long long)usage.lost, (unsigned long long)usage.dropped);
+    CHECK(!fl_imm_take(E, 4, 1) && fl_imm_take(E, 5, 1), "the oldest were not the ones dropped");
+    for (uint32_t v = 1000; v < 1000 + MOST; v++)
+        CHECK(fl_imm_await(E, v, 1) == FL_IMM_OK, "awaiting %u found no slot given up", v);
+    flc_count_imm(E, 5000); /* every slot awaited: not counted */
+    fl_imm_usage_get(E, &usage);
+    CHECK(usage.values == MOST && usage.lost == 1 && usage.lost_values == 1 && usage.last_lost == 5000 &&
+          usage.dropped == MOST + 4, "an awaited table: %llu values, %llu lost, %llu dropped",
+          (unsigned long long)usage.values, (unsigned long long)usage.lost, (unsigned long long)usage.dropped);
+    CHECK(fl_imm_await(E, 5000, 1) == FL_IMM_LOST, "a lost value was not reported");
+    CHECK(fl_imm_await(E, 6000, 1) == FL_IMM_FULL, "an awaited table took one more value");
+    CHECK(fl_imm_credit(E, 6000, 3) == FL_IMM_LOST, "an awaited table counted one more value");
     CHECK(fl_imm_await(E, FL_LANDING_VALUE, 1) == FL_IMM_BAD, "a landing value was awaited");
-    for (uint32_t v = 0; v < MOST; v++) CHECK(fl_imm_take(E, v, 1), "value %u was not counted", v);
-    CHECK(fl_imm_await(E, MOST + 1, 1) == FL_IMM_OK, "a lost value is reported once");
-    CHECK(fl_imm_await(E, MOST + 100, 1) == FL_IMM_LOST, "a value lost through a credit was not reported");
-    fl_imm_release(E, MOST + 1);
+    for (uint32_t v = 1000; v < 1000 + MOST; v++) {
+        flc_count_imm(E, v);
+        fl_imm_release(E, v); /* an arrival nobody took: its slot is held for nobody from now */
+    }
+    CHECK(fl_imm_await(E, 5000, 1) == FL_IMM_OK, "a lost value is reported once");
+    CHECK(fl_imm_await(E, 6000, 1) == FL_IMM_LOST, "a value lost through a credit was not reported");
+    CHECK(fl_imm_expire(E, 3600000000000ull) == 0, "arrivals expired before their age");
+    CHECK(fl_imm_expire(E, 0) == MOST - 1, "the arrivals nobody awaited did not all expire");
+    CHECK(fl_imm_take(E, 1000, 1) == 0, "an expired value kept its count");
+    fl_imm_release(E, 5000);
     fl_imm_usage_get(E, &usage);
-    CHECK(usage.values == 0 && usage.lost_values == 4, "slots came back: %llu values, %llu lost values",
+    CHECK(usage.values == 0 && usage.lost_values == 0, "slots came back: %llu values, %llu lost values",
           (unsigned long long)usage.values, (unsigned long long)usage.lost_values);
+}
+
+/* A flood of values nobody awaits lands (a thread of its own, the lock-free path racing with the slots given
+ * up under it) while expects await, count and take values of their own: each of those counted exactly, none
+ * lost, the flood's pushed out. */
+static _Atomic int flooding;
+
+static void *flood(void *arg) {
+    for (uint64_t i = 0; atomic_load(&flooding); i++) flc_count_imm(E, (uint32_t)(100000 + i % (4 * MOST)));
+    return arg;
+}
+
+static void honest_through_a_flood(void) {
+    pthread_t thread;
+    atomic_store(&flooding, 1);
+    pthread_create(&thread, NULL, flood, NULL);
+    fl_imm_usage usage;
+    do { /* the flood fills the table first */
+        sched_yield();
+        fl_imm_usage_get(E, &usage);
+    } while (usage.values < MOST);
+    for (uint64_t i = 0; i < VALUES / 4; i++) {
+        uint32_t v = (uint32_t)(i % 1000);
+        CHECK(fl_imm_await(E, v, 1) == FL_IMM_OK, "awaiting %u during a flood failed", v);
+        flc_count_imm(E, v | (1ull << FL_IMM_VALUE_BITS)); /* a write of two pages */
+        CHECK(fl_imm_take(E, v, 2) && !fl_imm_take(E, v, 1), "value %u was not counted exactly during a flood", v);
+        fl_imm_release(E, v);
+    }
+    atomic_store(&flooding, 0);
+    pthread_join(thread, NULL);
+    fl_imm_usage_get(E, &usage);
+    CHECK(usage.lost == 0 && usage.dropped > 0 && usage.values <= MOST, "after a flood: %llu lost, %llu dropped",
+          (unsigned long long)usage.lost, (unsigned long long)usage.dropped);
 }
 
 /* A fresh engine counting at most `most` values. */
@@ -215,6 +266,8 @@ int main(int argc, char **argv) {
     exact_counts();
     one_value_taken_as_it_streams();
     full_table();
+    fresh(MOST);
+    honest_through_a_flood();
     if (bench) {
         printf("count_imm, a value holding a slot: %.1f ns (1 thread), %.1f ns per count (2 threads; CPU time, best "
                "of 5)\n",
