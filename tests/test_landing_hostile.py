@@ -315,6 +315,8 @@ def test_a_writer_holding_every_lane_and_filling_none_never_starves_an_honest_on
             print(f"\nthe honest page landed {took:.1f} s after the hog held every lane ({requests} request(s))")
             assert target.expect(2, 1).result(10) == 1 and np.all(landed[3 * PAGE:] == 7)
             assert hog.poll() is None  # it still asks all along
+            # the hog hears why it lost its lanes before the honest writer got one, but reads it on its own time
+            said += hog_said(hog, "refused", "was not filled")
         finally:
             stop(hog)
         said += hog_said(hog, "held")
@@ -324,10 +326,11 @@ def test_a_writer_holding_every_lane_and_filling_none_never_starves_an_honest_on
     assert len(too_many) == max(requests - control.REQUESTS_PER_SENDER, 0), said
 
 
-def hog_said(hog, until):
-    """The lines tests/forging_peer.py's hog prints from here up to one that starts with ``until``."""
+def hog_said(hog, until, saying=""):
+    """The lines tests/forging_peer.py's hog prints from here up to one that starts with ``until`` (and holds
+    ``saying``)."""
     said = [hog.line(LINE_TIMEOUT, f"the hog's {until!r}")]
-    while not said[-1].startswith(until):
+    while not (said[-1].startswith(until) and saying in said[-1]):
         said.append(hog.line(LINE_TIMEOUT, f"the hog's {until!r}"))
     return said
 
