@@ -88,7 +88,7 @@ class LandingWriter:
         self.jobs: dict[int, LandingJob] = {}
         self.unsafe: list[LandingJob] = []  # failed jobs whose writes the provider has not all reported
         self.releasing: list[tuple[int, int, int, Transfer]] = []  # (target, job, lane, Transfer) once safe
-        self.ended: collections.OrderedDict[int, int] = collections.OrderedDict()  # job -> target
+        self.ended: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # job -> target's address
         self.last_heartbeat = time.monotonic()
 
     def start(self, jobs: list[LandingJob]) -> bool:
@@ -117,6 +117,10 @@ class LandingWriter:
         """A control endpoint that takes no more messages: its targets are gone."""
         for job in [j for j in self.jobs.values() if j.target == dest]:
             self._fail(job, "the target's control endpoint cannot be reached (the peer is gone?)", "peer")
+
+    def dests(self) -> set[int]:
+        """The targets' control endpoints this half still sends to."""
+        return {job.target for job in self.jobs.values()} | {release[0] for release in self.releasing}
 
     def close(self, pending: list[LandingJob]) -> None:
         """The engine closed: fail every job (``pending``: those not started yet too)."""
@@ -149,8 +153,8 @@ class LandingWriter:
                                  f"{sorted(job.in_flight) + sorted(job.granted)}")
         for lane in lanes:
             if job is None or len(job.granted) >= len(job.splits):  # the job ended, or needs no more lanes
-                dest = job.target if job is not None else self.ended.get(number)
-                if dest is not None:  # else a job long gone: its lease runs out at the target
+                dest = job.target if job is not None else self.channel.known_dest(self.ended.get(number))
+                if dest is not None:  # else a job long gone, or its target's: its lease runs out there
                     self._release(dest, number, lane)
                 continue
             job.granted.append(lane)
@@ -287,6 +291,6 @@ class LandingWriter:
         to give back."""
         if self.jobs.pop(job.number, None) is job:
             self._count_peer(job.target_id, -1)
-        self.ended[job.number] = job.target
+        self.ended[job.number] = job.address
         while len(self.ended) > ENDED_JOBS:
             self.ended.popitem(last=False)
