@@ -1,27 +1,42 @@
 """A writer process for the hostile-use tests: a long-lived Engine writing one page per call (or PAGES).
 
-    python tests/hostile_writer.py PROVIDER DOMAIN PACKED_HEX WRITES IMM [PAGES]
+    python tests/hostile_writer.py PROVIDER DOMAIN PACKED_HEX WRITES IMM [PAGES] [--fresh]
 PACKED_HEX is bootstrap.pack(peer address, peer region descriptor) as hex. Call i writes PAGES pages (1
-unless given) to pages i * PAGES, i * PAGES + 1, ... modulo max(16, PAGES) of the peer's region. Prints
-"wrote N" when every write has completed, or "failed after N: TYPE: MESSAGE" and exits 1."""
+unless given) to pages i * PAGES, i * PAGES + 1, ... modulo max(16, PAGES) of the peer's region. With
+--fresh, each call comes from a fresh Engine (one NIC), opened and closed around it: writers coming and
+going. Prints "wrote N" when every write has completed, or "failed after N: TYPE: MESSAGE" and exits 1."""
+import contextlib
 import sys
 
 import numpy as np
 
 from fabriclab import Engine, bootstrap
 
-provider, domain, packed, writes, imm = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-pages = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+fresh = "--fresh" in sys.argv
+args = [a for a in sys.argv if a != "--fresh"]
+provider, domain, packed, writes, imm = args[1], args[2], args[3], int(args[4]), int(args[5])
+pages = int(args[6]) if len(args) > 6 else 1
 address, descriptor = bootstrap.unpack(bytes.fromhex(packed))
 PAGE = 65536
-with Engine(provider, domains=None if domain == "-" else domain, pin=False, timeout=10) as engine:
-    region = engine.register(np.full(pages * PAGE, imm, dtype=np.uint8))
-    peer = engine.connect(address)
+
+
+def writer(stack, nics=None):
+    """An engine with its source region and its Peer, entered on ``stack``."""
+    engine = stack.enter_context(Engine(provider, domains=None if domain == "-" else domain, nics=nics, pin=False,
+                                        timeout=10))
+    return engine.register(np.full(pages * PAGE, imm, dtype=np.uint8)), engine.connect(address)
+
+
+with contextlib.ExitStack() as lasting:
+    region, peer = (None, None) if fresh else writer(lasting)
     done = 0
     try:
         for i in range(writes):
-            peer.write_pages(region, np.arange(pages), descriptor, (i * pages + np.arange(pages)) % max(16, pages),
-                             PAGE, imm=imm).result(10)
+            with contextlib.ExitStack() as call:
+                if fresh:
+                    region, peer = writer(call, nics=1)
+                peer.write_pages(region, np.arange(pages), descriptor, (i * pages + np.arange(pages)) % max(16, pages),
+                                 PAGE, imm=imm).result(10)
             done += 1
     except Exception as exc:
         print(f"failed after {done}: {type(exc).__name__}: {exc}", flush=True)
