@@ -49,7 +49,8 @@ SILENT_S = 3.0      # a writer not heard from this long is gone: its requests an
 STALL_S = 2.0       # a landing thread that did not run this long may have lost its lanes (< SILENT_S - HEARTBEAT_S)
 # The peers' control addresses a channel keeps in its address vector (ControlChannel.trim):
 PEERS_MOST = 1024   # at most (fewer where the provider takes fewer: shm's 256), every one in use
-PEERS_KEPT = 64     # idle ones kept for a peer that comes back (a writer between transfers), least recently used out
+PEERS_KEPT = 16     # idle ones kept for a peer that comes back (a writer between transfers): on shm each maps its
+                    # peer's region, which holds ~4 MiB of /dev/shm memory even once its process is gone
 QUIET_S = SILENT_S  # an idle peer is removed once unused this long
 _FULL = (f"each is a peer with a transfer running or a message on its way (an idle one is removed after {QUIET_S:g} "
          "s); wait for some transfers to end")
