@@ -30,6 +30,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,13 @@ TEXT_CHARS = 400           # of a REFUSED's reason, at most (it ends up in the w
 HEARTBEAT_S = 0.25  # a writer names its running transfers to each target this often
 SILENT_S = 3.0      # a writer not heard from this long is gone: its requests and lanes are dropped
 STALL_S = 2.0       # a landing thread that did not run this long may have lost its lanes (< SILENT_S - HEARTBEAT_S)
+# The peers' control addresses a channel keeps in its address vector (ControlChannel.trim):
+PEERS_MOST = 1024   # at most (fewer where the provider takes fewer: shm's 256), every one in use
+PEERS_KEPT = 16     # idle ones kept for a peer that comes back (a writer between transfers): on shm each maps its
+                    # peer's region, which holds ~4 MiB of /dev/shm memory even once its process is gone
+QUIET_S = SILENT_S  # an idle peer is removed once unused this long
+_FULL = (f"each is a peer with a transfer running or a message on its way (an idle one is removed after {QUIET_S:g} "
+         "s); wait for some transfers to end")
 
 REQUEST, GRANT, FILLED, RELEASE, COPIED, REFUSED, ALIVE, COPIED_IN = range(1, 9)
 HEAD = struct.Struct("<BQQ")           # kind, sender's engine id, the writer's job
@@ -213,7 +221,10 @@ class ControlChannel:
     is one peer's: its destination is reported failed, and another thread may serve the channel. A stuck
     read of the completion queue is the channel's own queue: ``dead`` says so, and nothing can serve it
     again. Either way the endpoint is never closed (the stuck call still uses it, and closing it would wait
-    for the lock that call holds, at the latest at the process's exit)."""
+    for the lock that call holds, at the latest at the process's exit).
+
+    Peers' addresses are inserted into the address vector as they are first sent to, and removed once no
+    longer needed (``trim``), so that writers and targets coming and going never fill it (shm's holds 256)."""
 
     WEDGED_S = 2.0
 
@@ -235,7 +246,17 @@ class ControlChannel:
         self.free_sends = collections.deque(range(SENDS))
         self.outbox: dict[int, collections.deque[bytes]] = {}
         self.stuck: dict[int, float] = {}  # destination -> since when it takes nothing
-        self.known: dict[bytes, int] = {}
+        self.known: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # least recently used first
+        self.address_of: dict[int, bytes] = {}
+        self.last_used: dict[int, float] = {}
+        self.on_the_way: dict[int, int] = {}  # destination -> sends posted and not completed
+        self.gone: set[int] = set()  # destinations found unreachable: removed once idle
+        self.kept: set[int] = set()  # destinations never removed: a stuck send may still use them
+        #: the destinations the owner still needs (transfers to or from them), asked by ``trim``
+        self.in_use: Callable[[], set[int]] = set
+        self.most = min(self.stack.av.most, PEERS_MOST)
+        self.removed = 0
+        self.trimmed = time.monotonic()
         self.lock = threading.Lock()  # the send in progress, against supersede() from a watching thread
         self.calling: tuple[int, int | None, float, int] | None = None  # (generation, destination or None for
         # the completion queue's read, since, thread)
@@ -250,21 +271,60 @@ class ControlChannel:
         return any(dest not in self.stuck for dest in self.outbox)
 
     def peer(self, address: bytes) -> int:
-        """The fi_addr of a peer's control endpoint (inserted once)."""
+        """The fi_addr of a peer's control endpoint: inserted at first, the same while it stays (``trim``).
+        AddressVectorFull when ``most`` peers are still in use."""
         dest = self.known.get(address)
         if dest is None:
-            dest = self.known[address] = self.stack.av.insert(fi.Address.from_bytes(address))
+            if len(self.known) >= self.most:
+                self.trim(room=1)
+            if len(self.known) >= self.most:
+                raise fi.AddressVectorFull(len(self.known), self.most, self.stack.info.provider, _FULL)
+            try:
+                dest = self.stack.av.insert(fi.Address.from_bytes(address))
+            except fi.AddressVectorFull as exc:
+                raise fi.AddressVectorFull(exc.held, exc.most, self.stack.info.provider, _FULL) from None
+            self.known[address], self.address_of[dest] = dest, address
+        else:
+            self.known.move_to_end(address)
+        self.last_used[dest] = time.monotonic()
         return dest
+
+    def known_dest(self, address: bytes | None) -> int | None:
+        """The fi_addr of a peer's control endpoint while it is in the address vector (None once removed)."""
+        return None if address is None else self.known.get(address)
 
     def send(self, dest: int, message: bytes) -> None:
         if len(message) > self.message_bytes:
             raise fi.UsageError(f"control message of {len(message)} bytes exceeds {self.message_bytes}")
-        self.outbox.setdefault(dest, collections.deque()).append(message)
+        if dest in self.address_of:  # else removed: nothing reaches that peer any more
+            self.outbox.setdefault(dest, collections.deque()).append(message)
 
     def forget(self, dest: int) -> None:
-        """Drop what waits to go to ``dest`` (a peer found gone)."""
+        """Drop what waits to go to ``dest`` (a peer found gone); its entry goes once idle (``trim``)."""
         self.outbox.pop(dest, None)
         self.stuck.pop(dest, None)
+        self.gone.add(dest)
+
+    def trim(self, room: int = 0) -> None:
+        """Remove from the address vector the peers no longer needed: every one found gone, and the least
+        recently used beyond PEERS_KEPT (``room`` more, for an insert). Only an idle one goes: no transfer
+        of the owner's names it (``in_use``), no message of ours waits for it or is on its way, it was not
+        used for QUIET_S, and no stuck send may still use it. The wait is shm's: a peer removed from a
+        target's vector, given the slot again, must have stopped sending under the handshake it had
+        (fabriclab.fi._smr), and a writer ends its transfer's messages within a beat of being refused."""
+        now = self.trimmed = time.monotonic()
+        busy = self.in_use() | set(self.outbox) | set(self.on_the_way) | self.kept
+        excess = len(self.known) - PEERS_KEPT + room
+        for address, dest in list(self.known.items()):  # least recently used first
+            if (excess <= 0 and dest not in self.gone) or dest in busy or now - self.last_used[dest] < QUIET_S:
+                continue
+            excess -= 1
+            if not self.stack.av.remove(dest):
+                self.kept.add(dest)  # its slot cannot be reused safely (fabriclab.fi._smr): it stays
+                continue
+            self.removed += 1
+            del self.known[address], self.address_of[dest], self.last_used[dest]
+            self.gone.discard(dest)
 
     def progress(self) -> tuple[list[bytes], list[int]]:
         """Post what waits to be sent, read what arrived: (messages received, peers found unreachable)."""
@@ -278,7 +338,7 @@ class ControlChannel:
             except fi.FabricError as exc:
                 token = exc.token
                 if token and token[0] == "send":
-                    self.free_sends.append(token[1])
+                    self._sent(token)
                     failed.append(token[2])
                 elif token and token[0] == "recv":
                     self._repost(token[1])
@@ -291,10 +351,20 @@ class ControlChannel:
                     received.append(self.received[offset:offset + c.length].tobytes())
                     self._repost(c.token[1])
                 elif c.token and c.token[0] == "send":
-                    self.free_sends.append(c.token[1])
+                    self._sent(c.token)
         for dest in failed:
             self.forget(dest)
+        if time.monotonic() - self.trimmed > HEARTBEAT_S:
+            self.trim()
         return received, failed
+
+    def _sent(self, token: tuple[str, int, int]) -> None:
+        """A send completed (or failed): its slot is free, its destination has one less on its way."""
+        _, slot, dest = token
+        self.free_sends.append(slot)
+        left = self.on_the_way.pop(dest, 1) - 1
+        if left:
+            self.on_the_way[dest] = left
 
     def _read(self) -> list[fi.Completion]:
         """One read of the completion queue, seen by ``wedged`` while it runs."""
@@ -330,6 +400,7 @@ class ControlChannel:
                 return posted is not None and (
                     time.monotonic() - self.stuck.setdefault(dest, time.monotonic()) < self.unreachable_s)
             self.stuck.pop(dest, None)
+            self.on_the_way[dest] = self.on_the_way.get(dest, 0) + 1
             queue.popleft()
             self.free_sends.popleft()
         if not queue:
@@ -358,6 +429,7 @@ class ControlChannel:
             else:
                 self.forget(dest)  # its thread is stuck, the next one not started: no one else uses the outbox
                 self.failed.append(dest)
+                self.kept.add(dest)  # the stuck call still uses its entry
             self.stranded += 1
         try:
             os.setpriority(os.PRIO_PROCESS, thread, 19)  # a spin burns only idle time

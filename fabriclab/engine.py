@@ -232,15 +232,19 @@ class Peer:
         # our NIC i talks to the peer's NIC i (modulo its count): the peer's key for it is keys[i % n]
         self.remote_slot = [i % n for i in range(len(service.nics.slots))]
         self.fi_addrs: list[int] = []
+        self.closed = False
+        self._gone = ""  # why the engine closed this Peer itself (its peer's process is gone)
+        self._running: list[Transfer] = []  # transfers submitted, maybe not done: they need its entries
         for slot in service.nics.slots:
-            nic = addresses[self.remote_slot[slot.index]]
-            known = service.av_entries.get((slot.index, nic.raw))
             try:
-                self.fi_addrs.append(known if known is not None else slot.av.insert(nic))
+                self.fi_addrs.append(service.entries.entry(slot, addresses[self.remote_slot[slot.index]]))
             except fi.UsageError as exc:
                 raise bad_address(f"engine address does not fit this engine: {exc}") from None
-            service.av_entries[(slot.index, nic.raw)] = self.fi_addrs[-1]
-        self.closed = False
+            except fi.FabricError as exc:
+                if exc.errno != fi.lib.FI_EHOSTUNREACH:
+                    raise  # the address vector is full (fi.AddressVectorFull says what to do), or worse
+                raise PeerLost(f"cannot connect: {exc}", buffer_safe=True, about_buffer=False) from None
+        service.peers.add(self)
         self._next_nic = 0
         self._parsed: dict[bytes, PeerRegion] = {}
         self._routes: dict[tuple[int, int], np.ndarray] = {}
@@ -310,8 +314,8 @@ class Peer:
         _refuse_overlap(local_region, remote, np.array([src_offset]), np.array([dst_offset]), length, pages=False)
         starts = np.arange(0, length, stripe_bytes, dtype=np.int64)
         lengths = np.minimum(stripe_bytes, length - starts).astype(np.uint64)
-        return self.engine._service.submit(self, local_region, remote, src_offset + starts, dst_offset + starts, 1,
-                                           lengths, imm, timeout)
+        return self._track(self.engine._service.submit(self, local_region, remote, src_offset + starts,
+                                                       dst_offset + starts, 1, lengths, imm, timeout))
 
     def write_pages(self, local_region: Region, src_pages: Any, remote_descriptor: bytes | PeerRegion,
                     dst_pages: Any, page_size: int, imm: int | None = None,
@@ -346,15 +350,15 @@ class Peer:
         _refuse_overlap(local_region, remote, src, dst, page_size, pages=True)
         service = self.engine._service
         if remote.ipc is not None and service.ipc.route(self, local_region, remote)[0]:  # the GPU copies pages whole
-            return service.submit(self, local_region, remote, src, dst, page_size, page_size, imm, timeout)
+            return self._track(service.submit(self, local_region, remote, src, dst, page_size, page_size, imm, timeout))
         # a staged region's writes leave from pool chunks, and land in lanes, one per page: no runs to join
         most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
         src, dst, runs = coalesce_pages(src, dst, most)
         lengths = runs * np.uint64(page_size)
         # one length for every write (a permuted list: one page each) goes as one number
         uniform = int(lengths[0]) if lengths.min() == lengths.max() else lengths
-        return service.submit(self, local_region, remote, src, dst, page_size, uniform, imm, timeout,
-                              pages=int(runs.sum()))
+        return self._track(service.submit(self, local_region, remote, src, dst, page_size, uniform, imm, timeout,
+                                          pages=int(runs.sum())))
 
     def route(self, local_region: Region, remote_descriptor: bytes | PeerRegion) -> tuple[str, str]:
         """How writes from ``local_region`` into the peer's region go: ("cuda-ipc", "") where the GPU copies
@@ -364,11 +368,26 @@ class Peer:
         path, why = self.engine._service.ipc.route(self, local_region, self._remote(remote_descriptor))
         return (path, "") if path else (local_region.path, why)
 
+    def _track(self, transfer: Transfer) -> Transfer:
+        """Note a transfer submitted through this Peer: its entries stay while one may still post writes."""
+        if len(self._running) >= 32:
+            self._running = [t for t in self._running if not t.done()]
+        self._running.append(transfer)
+        return transfer
+
+    def _needs_entries(self) -> bool:
+        """Whether its peer's entries in the address vectors are still needed: open, or a transfer runs."""
+        return not self.closed or any(not t.done() for t in self._running)
+
     def close(self) -> None:
-        """No more writes through this Peer; the peer (or its restarted self) may connect again later.
-        Its addresses stay in the address vectors, reused if they come back: removing and re-inserting
-        entries is where some providers (shm in libfabric 1.17) lose track of a peer."""
+        """No more writes through this Peer; the peer (or its restarted self) may connect again later. Its
+        peer's entries in the address vectors are removed (fi_av_remove) once no other Peer to that engine and
+        no transfer still needs them (at once where none does), as are those of a Peer dropped without
+        closing: an engine that reaches peers coming and going never fills them (shm's hold 256 peers)."""
         self.closed = True
+        service = self.engine._service
+        if not service.closed:
+            service.entries.trim()
 
     def __repr__(self) -> str:
         return f"<Peer {self.id:#x} over {self.nics} NIC(s) through {self.transport}{' closed' if self.closed else ''}>"
@@ -524,10 +543,13 @@ class Engine:
         that the provider never reported (stuck behind them: shm never completes a write into a region
         its peer closed, nor any write after it on that endpoint) gets a fresh endpoint on the same
         domain, completion queue and address vector, at most MAX_RENEWALS times (not where the provider
-        binds registrations to endpoints, FI_MR_ENDPOINT: ``stats()`` says so)."""
+        binds registrations to endpoints, FI_MR_ENDPOINT: ``stats()`` says so). PeerLost where the peer is on
+        shm and its endpoint is gone; fi.AddressVectorFull where the address vectors hold the most peers the
+        provider takes (shm: 256), each one still needed by a Peer (see ``Peer.close``)."""
         self._service.check_open()
         peer = Peer(self, address)
         self._service.revive_paths()
+        self._service.entries.trim()  # those of Peers closed or dropped since, once their transfers ended
         return peer
 
     def expect(self, imm: int, count: int, timeout: float | None = None) -> concurrent.futures.Future[int]:

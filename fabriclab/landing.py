@@ -88,11 +88,13 @@ class Landing:
         self.engine_id = engine_id
         self.lock = threading.Lock()
         self.closed = False
+        self.closing = threading.Event()  # set with ``closed``: the watcher's wait ends at once
         self.rejected = control.Rejected()
         self.peers: dict[int, int] = {}  # engines it serves or writes to -> how many transfers
         self.wake = threading.Event()  # something for the thread to do: a job, its writes done, a lane copied
         self.target = LandingTarget(self.channel, engine_id, native, self.lock, self._count_peer, lease_s, self.wake)
         self.writer = LandingWriter(self.channel, engine_id, self._count_peer, failure_type, self.wake)
+        self.channel.in_use = lambda: self.target.dests() | self.writer.dests()
         self.handlers: dict[int, Callable[..., None]] = {
             control.REQUEST: self.target.requested, control.FILLED: self.target.filled,
             control.RELEASE: self.target.released, control.ALIVE: self.target.alive,
@@ -139,11 +141,13 @@ class Landing:
     def stats(self) -> dict[str, Any]:
         return {"landed_bytes": self.target.landed_bytes, "landed_lanes": self.target.landed_lanes,
                 "landing_copy_seconds": round(self.target.copy_seconds(), 6), "landing_jobs": len(self.writer.jobs),
-                "bad_control_messages": self.rejected.total, "control_threads_stranded": self.channel.stranded}
+                "bad_control_messages": self.rejected.total, "control_threads_stranded": self.channel.stranded,
+                "control_peers": len(self.channel.known), "control_peers_removed": self.channel.removed}
 
     def close(self, timeout: float = _native.WORKER_EXIT_TIMEOUT) -> None:
         with self.lock:
             self.closed = True
+        self.closing.set()
         self.thread.join(timeout)
         self.watcher.join(1.0)
         self.writer.close(list(self.new_jobs))
@@ -170,9 +174,8 @@ class Landing:
         """A landing thread stuck in a send that never returns (ControlChannel.wedged) is replaced: the
         peer it sends to is taken for gone, and the others are served on. One stuck reading the channel's
         completion queue is not: a new one would be stuck the same way (the channel is dead)."""
-        while not self.closed:
-            time.sleep(0.25)
-            if not self.closed and self.channel.wedged() and self.channel.supersede() and not self.channel.dead:
+        while not self.closing.wait(0.25):
+            if self.channel.wedged() and self.channel.supersede() and not self.channel.dead:
                 self.thread = self._start()  # a send to one peer was stuck: the others are served on
 
     def _run(self) -> None:

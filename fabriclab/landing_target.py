@@ -191,6 +191,10 @@ class LandingTarget:
         for client in [c for c in self.clients.values() if c.dest == dest]:
             self._drop(client)
 
+    def dests(self) -> set[int]:
+        """The writers' control endpoints this half still answers."""
+        return {client.dest for client in self.clients.values()}
+
     def copy_seconds(self) -> float:
         return float(sum(c.seconds for c in self.copiers.values()))
 

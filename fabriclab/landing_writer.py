@@ -94,7 +94,7 @@ class LandingWriter:
         self.jobs: dict[int, LandingJob] = {}
         self.unsafe: list[LandingJob] = []  # failed jobs whose writes the provider has not all reported
         self.releasing: list[tuple[int, int, int, Transfer]] = []  # (target, job, lane, Transfer) once safe
-        self.ended: collections.OrderedDict[int, int] = collections.OrderedDict()  # job -> target
+        self.ended: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # job -> target's address
         self.asking: collections.Counter[int] = collections.Counter()  # target -> jobs it may still run
         self.held_back: dict[int, collections.deque[LandingJob]] = {}  # target -> jobs waiting to ask, in order
         self.lingering: collections.deque[tuple[float, int]] = collections.deque()  # (when, target): a job ended
@@ -151,6 +151,12 @@ class LandingWriter:
         for job in [j for j in self.jobs.values() if j.target == dest]:
             self._fail(job, "the target's control endpoint cannot be reached (the peer is gone?)", "peer")
 
+    def dests(self) -> set[int]:
+        """The targets' control endpoints this half still sends to."""
+        # a target a count of ours names (asking) keeps its entry until the count is settled
+        return ({job.target for job in self.jobs.values()} | {release[0] for release in self.releasing}
+                | set(self.asking))
+
     def close(self, pending: list[LandingJob]) -> None:
         """The engine closed: fail every job (``pending``: those not started yet too)."""
         for job in list(self.jobs.values()) + pending:
@@ -182,8 +188,8 @@ class LandingWriter:
                                  f"{sorted(job.in_flight) + sorted(job.granted)}")
         for lane in lanes:
             if job is None or len(job.granted) >= len(job.splits):  # the job ended, or needs no more lanes
-                dest = job.target if job is not None else self.ended.get(number)
-                if dest is not None:  # else a job long gone: its lease runs out at the target
+                dest = job.target if job is not None else self.channel.known_dest(self.ended.get(number))
+                if dest is not None:  # else a job long gone, or its target's: its lease runs out there
                     self._release(dest, number, lane)
                 continue
             job.granted.append(lane)
@@ -330,6 +336,6 @@ class LandingWriter:
                 self._target_forgot(job.target)
             else:
                 self.lingering.append((time.monotonic() + control.SILENT_S + 2 * control.HEARTBEAT_S, job.target))
-        self.ended[job.number] = job.target
+        self.ended[job.number] = job.address
         while len(self.ended) > ENDED_JOBS:
             self.ended.popitem(last=False)

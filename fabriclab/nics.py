@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -142,6 +144,58 @@ class NicSet:
     def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
+
+
+class PeerEntries:
+    """The address-vector entries of an engine's NIC slots for its peers' NICs: inserted at the first Peer to
+    a peer engine, shared by every Peer to it, removed (fi_av_remove) by ``trim`` once ``needed()`` no longer
+    names them, so that an engine reaching peers that come and go never fills its address vectors (shm's
+    hold 256). ``needed(deep)`` returns the (slot, fi_addr) pairs still in use; ``deep``: the vector is
+    full, look harder (a peer of this host whose process is gone needs nothing)."""
+
+    def __init__(self, slots: list[NicSlot], needed: Callable[[bool], set[tuple[int, int]]], advice: str) -> None:
+        self.slots, self.needed, self.advice = slots, needed, advice
+        self.entries: dict[tuple[int, bytes], int] = {}  # (slot, peer's raw address) -> fi_addr
+        self.kept: set[tuple[int, int]] = set()  # never removed: shm could not reuse the slot safely
+        self.removed = 0
+        self.lock = threading.Lock()
+
+    def entry(self, slot: NicSlot, address: fi.Address) -> int:
+        """The fi_addr of ``address`` in ``slot``'s address vector (inserted at first): AddressVectorFull,
+        saying what to do, where every entry is still needed."""
+        with self.lock:
+            key = (slot.index, address.raw)
+            fi_addr = self.entries.get(key)
+            if fi_addr is not None:
+                return fi_addr
+            for deep in (False, True):
+                if len(slot.av.entries) >= slot.av.most:
+                    self._trim(deep)
+            try:
+                fi_addr = self.entries[key] = slot.av.insert(address)
+            except fi.AddressVectorFull as exc:
+                raise fi.AddressVectorFull(exc.held, exc.most, self.slots[0].info.provider, self.advice) from None
+            return fi_addr
+
+    def trim(self) -> None:
+        """Remove every entry no longer needed."""
+        with self.lock:
+            self._trim(False)
+
+    def _trim(self, deep: bool) -> None:
+        needed = self.needed(deep) | self.kept
+        for (index, raw), fi_addr in list(self.entries.items()):
+            if (index, fi_addr) in needed:
+                continue
+            if self.slots[index].av.remove(fi_addr):
+                del self.entries[index, raw]
+                self.removed += 1
+            else:
+                self.kept.add((index, fi_addr))
+
+    def stats(self) -> dict[str, int]:
+        """Entries held (all slots together), the most one slot's vector takes, entries removed so far."""
+        return {"entries": len(self.entries), "most": min(s.av.most for s in self.slots), "removed": self.removed}
 
 
 class _SlotStack:

@@ -6,10 +6,12 @@ and its finalizer closes the service."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,8 +21,9 @@ from .ipc_writer import IpcPath
 from ._native import WORKER_EXIT_TIMEOUT
 from .completions import TRANSFER_SLOTS, Completions, RegionState
 from .config import EngineConfig
-from .errors import TransferTimeout, closed_here
-from .nics import Layout, NicSet, default_layout, discover_topology, group_nics, topology_groups_holding, worker_cores
+from .errors import PeerLost, TransferTimeout, closed_here
+from .nics import (Layout, NicSet, PeerEntries, default_layout, discover_topology, group_nics, topology_groups_holding,
+                   worker_cores)
 from .renewal import Renewal
 from .transfer import AwaitableFuture, Safety, Transfer
 from .wire import PeerRegion
@@ -50,6 +53,8 @@ _STRANDED_SERVICES: list[Service] = []
 # again (shm keeps it in its list of this process's endpoints for ever: fabriclab._inprocess says more).
 CLOSED_HERE: set[int] = set()
 log = logging.getLogger("fabriclab")
+_ENTRIES_ADVICE = ("each holds a peer engine this engine has a Peer to, open or with transfers still running: close "
+                   "the Peers you no longer write to (Peer.close(), or drop them), and their entries are removed")
 
 
 def open_nics(config: EngineConfig) -> tuple[NicSet, Layout, Any]:
@@ -80,6 +85,22 @@ def open_nics(config: EngineConfig) -> tuple[NicSet, Layout, Any]:
         nics.close()
         raise
     return nics, layout, topology
+
+
+def _entries_needed(service: Service, deep: bool) -> set[tuple[int, int]]:
+    """(NIC slot, fi_addr) of the address-vector entries still in use (nics.PeerEntries): writes posted use
+    theirs, and every Peer not closed, or with a transfer still running, its own. ``deep``: a Peer whose
+    peer's process, on this host, is gone is closed first (PeerLost for its later writes)."""
+    with service.lock:
+        needed = {(i, int(dest)) for _, _, routes in service.book.in_use.values() for i, dest in
+                  enumerate(routes["dest"])}
+    for peer in list(service.peers):
+        if deep and not peer.closed and peer.process and shmclean.process_is_gone(*peer.process):
+            peer._gone = f"the peer's process (pid {peer.process[1]}, on this host) is gone"
+            peer.closed = True
+        if peer._needs_entries():
+            needed.update(enumerate(peer.fi_addrs))
+    return needed
 
 
 class Service:
@@ -117,7 +138,8 @@ class Service:
                 self.native.close()  # the C engine's memory (no worker runs: the service did not start)
             self.nics.close()
             raise
-        self.av_entries: dict[tuple[int, bytes], int] = {}  # (our NIC slot, peer's raw address) -> fi_addr
+        self.peers: weakref.WeakSet[Peer] = weakref.WeakSet()
+        self.entries = PeerEntries(self.nics.slots, functools.partial(_entries_needed, self), _ENTRIES_ADVICE)
         self.renewal = Renewal(self.nics, self.groups, self.native, min(self.timeout, WORKER_EXIT_TIMEOUT))
         self.max_msg_size = min(s.info.max_msg_size for s in self.nics.slots)
         self.submitted = {"transfers": 0, "pages": 0, "writes": 0}  # pages: as asked; writes: after coalescing
@@ -190,6 +212,7 @@ class Service:
                 "threads": self.threads, "layout": self.layout_summary(), "submitted": dict(self.submitted),
                 "transfers_in_flight": pending, "abandoned_in_flight": unsafe,
                 "expectations": expecting, "immediates": self.native.immediates_usage(), "per_nic": per_nic,
+                "peer_entries": self.entries.stats(),
                 "staging": staged.stats(self), "cuda_ipc": self.ipc.stats(), "closed": stranded is not None, "stranded_threads": stranded or 0}
 
     def pages_per_write(self, pages: int, page_size: int) -> int:
@@ -211,6 +234,8 @@ class Service:
         self.check_open()
         region._check_open()
         if peer.closed:
+            if peer._gone:
+                raise PeerLost(f"{peer._gone}: its Peer was closed", buffer_safe=True)
             raise fi.UsageError("that peer was closed; connect again")
         if peer.id in CLOSED_HERE:
             raise closed_here("the peer engine")

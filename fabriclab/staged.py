@@ -154,7 +154,7 @@ def stats(service: Service) -> dict[str, Any]:
     lander = service.landing
     landed = lander.stats() if lander is not None else {
         "landed_bytes": 0, "landed_lanes": 0, "landing_copy_seconds": 0.0, "landing_jobs": 0,
-        "bad_control_messages": 0, "control_threads_stranded": 0}
+        "bad_control_messages": 0, "control_threads_stranded": 0, "control_peers": 0, "control_peers_removed": 0}
     return {**pool_stats, "landing_pool_bytes": pool, "lanes": lanes,
             "landing_allocated": lander is not None and lander.pool is not None, **landed}
 

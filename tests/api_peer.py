@@ -3,7 +3,8 @@
     python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex] [--staged-host [--small-pool]] [--threads=N]
 prints its bootstrap port, swaps (address, descriptor) with the test over it, then answers commands
 read from stdin, one per line: "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (or "timeout"),
-"digest", "count BYTE" -> how many bytes of the buffer hold that value, "close-region" (closes the
+"digest", "count BYTE" -> how many bytes of the buffer hold that value, "stats KEY" -> engine.stats()[KEY] as
+JSON, "close-region" (closes the
 region, waits until it is deregistered, registers a fresh zeroed buffer of the same size and answers
 with its descriptor in hex: later digests are of that buffer). DOMAIN may name several NICs,
 comma-separated. With --staged-host the buffer is a staged target in host memory (Engine._register_staged_host:
@@ -12,6 +13,7 @@ lanes of two 64 KiB pages, leased for 30 s (the engine's timeout). With --hex it
 descriptor) as one hex line instead of a port: a test outside the peer's network namespace cannot reach
 the peer's loopback, but it can always read the peer's stdout."""
 import hashlib
+import json
 import sys
 import time
 
@@ -44,6 +46,8 @@ with Engine(provider, domains=None if domain == "-" else domain, threads=threads
                 print("timeout", flush=True)
         elif words[0] == "digest":
             print(f"sha256={hashlib.sha256(buffer).hexdigest()}", flush=True)
+        elif words[0] == "stats":
+            print(json.dumps(engine.stats()[words[1]]), flush=True)
         elif words[0] == "count":
             print(int(np.count_nonzero(buffer == int(words[1]))), flush=True)
         elif words[0] == "close-region":

@@ -4,6 +4,7 @@ real control endpoint of its own (fabriclab.control.ControlChannel), to a staged
     python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE garbage
     python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE spoof WRITER_ID REGION_ID IMM DST
     python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE hog REGION_ID KEY REQUESTS
+    python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE requests COUNT REGION_ID KEY
 ADDRESS_HEX is the target's control address (a staged descriptor's LandingRoute.address) as hex; RATE the
 messages sent a second. garbage: malformed messages of every kind (1 byte, truncated, unknown kinds, wrong
 lengths, fields out of range, a REQUEST with a guessed key), over and over. spoof: FILLED claiming to be
@@ -11,16 +12,21 @@ writer WRITER_ID, for each of its first 64 jobs and each lane, saying the lane h
 of region REGION_ID under IMM. hog: a writer holding the region's descriptor (its id and KEY) that asks for
 2**32 - 1 lanes in each of REQUESTS transfers (as one engine), names them in ALIVE every HEARTBEAT_S and never
 fills a lane (RATE unused); it prints "holds N" whenever the number of lanes it holds changes, "refused TEXT"
-for each transfer refused, and at SIGTERM "held N" (the most it held at once). Prints "ready" once its endpoint is open, then sends until SIGTERM, which ends
-it cleanly: its endpoint closed, so the target's replies to it fail instead of spinning (on shm, a send to a
-process SIGKILLed while it held its queue's lock spins for ever, stranding a thread of the tests' process)."""
+for each transfer refused, and at SIGTERM "held N" (the most it held at once). requests: COUNT lane requests for region REGION_ID with its KEY (a descriptor's),
+each once, each naming another made-up control address (shm: a region name nobody has; tcp: a loopback port this
+process holds and never listens on). Prints "ready" once its endpoint is open, then sends until SIGTERM
+(requests: prints "sent" once all went, and waits), which ends it cleanly: its endpoint closed, so the target's
+replies to it fail instead of spinning (on shm, a send to a process SIGKILLed while it held its queue's lock
+spins for ever, stranding a thread of the tests' process)."""
 import signal
+import socket
+import struct
 import sys
 import time
 
 import numpy as np
 
-from fabriclab import control
+from fabriclab import control, fi
 
 H, FILLED, REQUEST = control.HEAD, control.FILLED_BODY, control.REQUEST_BODY
 provider, domain, address, rate, mode = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3]), float(sys.argv[4]), \
@@ -95,9 +101,25 @@ def hog(region, key, requests):
     print(f"held {most}", flush=True)
 
 
+def made_up(count, region, key, mine):
+    """REQUESTs for ``region`` with ``key``, each from a made-up control address like ``mine`` (the forger's)."""
+    own = fi.Address.from_bytes(mine)
+    if own.provider == "shm":
+        raws = [f"fi_shm://made-up-{i}".encode() + b"\0" for i in range(count)]
+    else:
+        for _ in range(count):  # bound, never listening: a connection to it is refused at once
+            held.append(socket.socket())
+            held[-1].bind(("127.0.0.1", 0))
+        raws = [own.raw[:2] + struct.pack(">H", s.getsockname()[1]) + own.raw[4:] for s in held]
+    addresses = [fi.Address(own.provider, own.addr_format, raw).to_bytes() for raw in raws]
+    return [H.pack(control.REQUEST, ME + 2 * i, 1 + i) + REQUEST.pack(region, key, 1, len(a)) + a
+            for i, a in enumerate(addresses)]
+
+
 channel = control.ControlChannel(provider, None if domain == "-" else domain)
 target = channel.peer(address)
 rng = np.random.default_rng(7)
+held: list[socket.socket] = []
 stopping = []
 signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
 if mode == "hog":
@@ -105,10 +127,19 @@ if mode == "hog":
     hog(*(int(x) for x in sys.argv[6:9]))
     channel.close()
     sys.exit(0)
-messages = garbage(rng, channel.address) if mode == "garbage" else spoofed(*(int(x) for x in sys.argv[6:10]))
+if mode == "requests":
+    messages = made_up(*(int(x) for x in sys.argv[6:9]), channel.address)
+else:
+    messages = garbage(rng, channel.address) if mode == "garbage" else spoofed(*(int(x) for x in sys.argv[6:10]))
 print("ready", flush=True)
 sent, started = 0, time.monotonic()
 while not stopping:
+    if mode == "requests" and sent == len(messages):
+        print("sent", flush=True)
+        while not stopping:
+            channel.progress()
+            time.sleep(0.001)
+        break
     if mode == "garbage" and sent % len(messages) == 0:
         messages = garbage(rng, channel.address)
     channel.send(target, messages[sent % len(messages)])

@@ -30,7 +30,7 @@ from .info import (IP_PROVIDERS, LOOPBACK, MODELED_PROVIDER, MODELED_PROVIDER_LI
                    modeled_provider_loaded, one_fabric_per_nic, provider_fabric_first, same_host_fabric)
 from .fabric import Domain, Fabric
 from .cq import Completion, CompletionQueue, fresh_error_entry
-from .av import Address, AddressVector
+from .av import Address, AddressVector, AddressVectorFull
 from .mr import MemoryRegion, RemoteRegion
 from .endpoint import Endpoint, gpu_direct_verdict
 from .stack import EndpointStack, describe_tree, open_endpoint
@@ -50,6 +50,6 @@ __all__ = [
     "modeled_provider_loaded", "one_fabric_per_nic", "provider_fabric_first", "same_host_fabric",
     # the objects
     "Domain", "Fabric", "Completion", "CompletionQueue", "fresh_error_entry", "Address", "AddressVector",
-    "MemoryRegion", "RemoteRegion", "Endpoint", "gpu_direct_verdict", "EndpointStack", "describe_tree",
-    "open_endpoint",
+    "AddressVectorFull", "MemoryRegion", "RemoteRegion", "Endpoint", "gpu_direct_verdict", "EndpointStack",
+    "describe_tree", "open_endpoint",
 ]

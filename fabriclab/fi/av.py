@@ -1,5 +1,5 @@
 """Addresses: ``Address`` (an endpoint's address as fabriclab passes it between processes, checked) and
-fi_av_open's ``AddressVector`` (peers' addresses to fi_addr_t handles)."""
+fi_av_open's ``AddressVector`` (peers' addresses to fi_addr_t handles, inserted and removed)."""
 from __future__ import annotations
 
 import socket
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .. import _inprocess
+from . import _smr
 from ._core import Resource
 from .constants import _ADDR_FORMAT_NAMES, ffi, lib
 from .errors import FabricError, UsageError, check
@@ -121,8 +122,22 @@ class Address:
         return f"{self.provider} {fmt} {where}"
 
 
+class AddressVectorFull(FabricError):
+    """fi_av_insert refused another peer: the address vector already holds ``held`` peers, the most its
+    provider takes (``most``: fi_info's domain_attr.ep_cnt, 256 for shm), or the most its owner keeps. Peers
+    no longer needed must be removed first; the message says how, where the owner knows."""
+
+    def __init__(self, held: int, most: int, provider: str, advice: str = "") -> None:
+        super().__init__("fi_av_insert", lib.FI_ENOMEM, message=(
+            f"the address vector holds {held} peers, the most it takes ({provider}: {most}), so no other peer "
+            f"can be added{': ' + advice if advice else ''}"))
+        self.held, self.most = held, most
+
+
 class AddressVector(Resource):
-    """fi_av_open: maps peers' raw addresses to fi_addr_t handles."""
+    """fi_av_open: maps peers' raw addresses to fi_addr_t handles. ``entries`` holds those inserted and not
+    removed. On shm, an address naming no endpoint is refused (shm would take it into a slot it still
+    counts as free), and an entry is removed only where it is safe to reuse its slot (``fabriclab.fi._smr``)."""
 
     def __init__(self, domain: Domain):
         super().__init__(domain)
@@ -132,22 +147,51 @@ class AddressVector(Resource):
         check(lib.fi_av_open(domain._ptr, attr, out, ffi.NULL), "fi_av_open")
         self._opened(out[0])
         self.info = domain.info
+        #: the most peers the provider says it takes (fi_info's domain_attr.ep_cnt; shm: 256 per vector)
+        self.most = int(domain.info.ptr.domain_attr.ep_cnt) or 1 << 20
+        self.entries: dict[int, bytes] = {}  # fi_addr -> the raw address inserted
+        self._shm = domain.info.provider == "shm"
+        self._endpoint_names: list[bytes] = []  # of the endpoints bound to it (shm keeps a handshake in each)
+
+    def bound(self, endpoint_name: bytes) -> None:
+        """An endpoint named ``endpoint_name`` was bound to this address vector (fabriclab.fi.Endpoint)."""
+        self._endpoint_names.append(endpoint_name)
 
     def insert(self, address: "Address | bytes") -> int:
-        """Insert one peer; returns its fi_addr_t. A bytes argument is taken as this provider's raw format."""
+        """Insert one peer; returns its fi_addr_t. A bytes argument is taken as this provider's raw format.
+        AddressVectorFull when the provider takes no more peers."""
         self._require_open()
         raw = address.raw if isinstance(address, Address) else bytes(address)
         if isinstance(address, Address):
             address.check_compatible(self.info)
+        if self._shm and not _smr.region_exists(raw):
+            raise FabricError("fi_av_insert", lib.FI_EHOSTUNREACH, message=(
+                f"no shm endpoint {_smr.region_name(raw)!r} on this host: its process ended (or the address is "
+                "made up, or from another host or /dev/shm)"))
         out = ffi.new("fi_addr_t *")
         n = lib.fi_av_insert(self._ptr, raw, 1, out, 0, ffi.NULL)
         if n != 1:
+            if len(self.entries) >= self.most:
+                raise AddressVectorFull(len(self.entries), self.most, self.info.provider)
             raise FabricError("fi_av_insert", n if n < 0 else lib.FI_EINVAL,
                               message=None if n < 0 else "fi_av_insert rejected the address")
         _inprocess.address_inserted(self._native, raw)  # an endpoint of this process: it waits for us to close
+        self.entries[int(out[0])] = raw
         return int(out[0])
 
-    def remove(self, fi_addr: int) -> None:
+    def remove(self, fi_addr: int) -> bool:
+        """Remove a peer's entry (nothing may still be posted to it): True once removed. False where shm's
+        slot could not be made safe to reuse: the entry then stays, and holds its slot for good."""
         self._require_open()
+        raw = self.entries.get(fi_addr)
+        slot = None
+        if self._shm:
+            slot = None if raw is None else _smr.slot_of(self._endpoint_names, raw)
+            if slot is None:
+                return False
         addrs = ffi.new("fi_addr_t[1]", [fi_addr])
         check(lib.fi_av_remove(self._ptr, addrs, 1, 0), "fi_av_remove")
+        self.entries.pop(fi_addr, None)
+        if slot is not None:
+            _smr.reset_handshakes(self._endpoint_names, slot)
+        return True

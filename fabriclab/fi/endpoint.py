@@ -53,6 +53,7 @@ class Endpoint(Resource):
             rc = keeping_signal_handlers(lib.fi_enable, self._ptr)
         check(rc, "fi_enable")
         _inprocess.endpoint_opened(self._native, self.name, (cq._native, av._native))
+        av.bound(self.name)
         self._msg = ffi.new("struct fi_msg_rma *")
         self._iov = ffi.new("struct iovec *")
         self._rma_iov = ffi.new("struct fi_rma_iov *")
