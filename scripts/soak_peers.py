@@ -12,7 +12,8 @@ of the count (with this process's memory maps while its engine is open: shm maps
 count, elapsed seconds, rate per second, and, before (after a first engine opened and closed) and after, this
 process's open file descriptors, threads and memory maps, the files in /dev/shm (all, and those named after
 this process or its children), and the engine's address-vector counts (control peers of the target; peer
-entries of the writer). A failure stops the phase and says where."""
+entries of the writer). A failure stops the phase and says where. On shm the writers phase is refused where
+the target would keep more than half the available memory mapped (every writer's region, ~4 MiB: README)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ import time
 from typing import Any
 
 PAGE = 65536
+SHM_PINNED = 4 << 20  # /dev/shm memory a shm target keeps per writer engine that wrote into it (measured: 3.8 MiB)
 
 
 def _engine(args: argparse.Namespace, **options: Any) -> Any:
@@ -70,10 +72,21 @@ def _report(phase: str, done: int, started: float, before: dict[str, int], count
                       "after": _resources(), **counts, **({"failure": failure} if failure else {})}), flush=True)
 
 
+def _available() -> int:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) << 10 for line in meminfo if line.startswith("MemAvailable:"))
+
+
 def writers_phase(args: argparse.Namespace) -> bool:
-    """One staged target, COUNT fresh writer engines in turn (a child process)."""
+    """One staged target, COUNT fresh writer engines in turn (a child process). On shm the target keeps every
+    writer's region mapped (README): refused where that would take more than half the memory available."""
     import numpy as np
     from fabriclab import bootstrap
+    if args.provider == "shm" and args.count * SHM_PINNED > _available() // 2:
+        print(f"writers: not run: on shm the target would keep about {args.count * SHM_PINNED >> 30} GiB of /dev/shm "
+              f"memory mapped ({SHM_PINNED >> 20} MiB per writer), more than half of the {_available() >> 30} GiB "
+              "available here: give a smaller --count, or --provider 'tcp;ofi_rxm' --domain lo", flush=True)
+        return False
     before, started = _resources(), time.monotonic()
     with _engine(args) as target:
         buffer = np.zeros(16 * PAGE, np.uint8)
