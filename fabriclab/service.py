@@ -103,6 +103,12 @@ def _entries_needed(service: Service, deep: bool) -> set[tuple[int, int]]:
     return needed
 
 
+def _stop_at_exit(service: Service) -> bool:
+    """At exit (fi.stop_first_at_exit): close, or wait for another thread's close; whether our threads let go."""
+    service.close()
+    return service.pid != os.getpid() or service._shut.wait(EXIT_WAIT_S)
+
+
 class Service:
     """Everything an Engine runs (see the module docstring), built from its :class:`EngineConfig`."""
 
@@ -151,7 +157,7 @@ class Service:
         self.held_by_dead_writers: list[Any] = []  # memory of regions a CUDA IPC writer died copying into
         self.book.start(self.housekeeping_cores if self.worker_cores else None, self._finish_on_reaper)
         self._shut = threading.Event()  # _shut_down is over: no thread of ours is in a NIC or channel
-        fi.stop_first_at_exit(self, Service._stop_at_exit)
+        fi.stop_first_at_exit(self, _stop_at_exit)
 
     # ------------------------------------------------------------------------------ for the Engine
 
@@ -344,11 +350,6 @@ class Service:
             threading.Thread(target=service.close, name="fabriclab-engine-closer", daemon=True).start()
         else:
             service.close()
-
-    def _stop_at_exit(self) -> bool:
-        """At exit (fi.stop_first_at_exit): close, or wait for another thread's close; whether our threads let go."""
-        self.close()
-        return self.pid != os.getpid() or self._shut.wait(EXIT_WAIT_S)
 
     def close(self) -> None:
         """Stop everything (``Engine.close()``, or the Engine's collection or the interpreter's exit)."""
