@@ -386,7 +386,7 @@ static int read_queues(fl_engine *e, struct fi_cq_data_entry *entries) {
         int64_t counted = take_arrivals(e, entries, got);
         if (counted < 0) return -1;
         n->arrivals += (uint64_t)counted;
-        e->course.arrivals += (uint64_t)counted;
+        __atomic_store_n(&e->course.arrivals, e->course.arrivals + (uint64_t)counted, __ATOMIC_RELAXED);
         got_any = 1;
     }
     return got_any;
@@ -395,13 +395,13 @@ static int read_queues(fl_engine *e, struct fi_cq_data_entry *entries) {
 /* `stuck`: what the watchdog adds when the thread itself could not tell (empty from the thread). */
 static void target_silent(fl_engine *e, uint64_t expected, double timeout_s, const char *stuck) {
     const char *what = e->course.marks_only ? "marked last writes" : "writes";
+    unsigned long long arrivals = __atomic_load_n(&e->course.arrivals, __ATOMIC_RELAXED); /* the watchdog's too */
     if (expected != UINT64_MAX)
         flc_fail(e, -FI_ETIMEDOUT, "only %llu of the run's %llu %s arrived; nothing more for %.1f s%s",
-                 (unsigned long long)e->course.arrivals, (unsigned long long)expected, what, timeout_s, stuck);
+                 arrivals, (unsigned long long)expected, what, timeout_s, stuck);
     else
         flc_fail(e, -FI_ETIMEDOUT, "the writer went silent mid-run: no write landed and no word came for %.1f s "
-                 "(%llu %s had landed); is it gone?%s", timeout_s, (unsigned long long)e->course.arrivals, what,
-                 stuck);
+                 "(%llu %s had landed); is it gone?%s", timeout_s, arrivals, what, stuck);
 }
 
 /* The thread leaves its loop: 1 if it was given up on meanwhile (then it frees its state and touches
@@ -435,7 +435,8 @@ static void *target_thread(void *arg) {
         atomic_store_explicit(&t->passed_ns, now, memory_order_relaxed);
         if (got_any) {
             if (!e->course.first_arrival_ns) e->course.first_arrival_ns = now;
-            last_arrival = e->course.last_arrival_ns = now;
+            last_arrival = now;
+            __atomic_store_n(&e->course.last_arrival_ns, now, __ATOMIC_RELAXED); /* target_watch reads it */
             idle_passes = 0;
             sleep_ns = IDLE_SLEEP_MIN_NS;
         }
@@ -479,7 +480,8 @@ static void *target_thread(void *arg) {
 enum { WATCH_ON, WATCH_SILENT, WATCH_STUCK };
 
 static int target_verdict(fl_engine *e, const target_ctx *t, uint64_t now, uint64_t stuck_ns) {
-    uint64_t heard = e->course.writer_heard_ns, landed = e->course.last_arrival_ns;
+    uint64_t heard = __atomic_load_n(&e->course.writer_heard_ns, __ATOMIC_RELAXED);
+    uint64_t landed = __atomic_load_n(&e->course.last_arrival_ns, __ATOMIC_RELAXED);
     uint64_t alive = heard > landed ? heard : landed;
     if (stuck_ns > t->timeout_ns && alive && now > alive && now - alive > t->timeout_ns) return WATCH_SILENT;
     if (stuck_ns > 2 * t->timeout_ns || (stopping(e) && stuck_ns > (uint64_t)(FL_STOP_TIMEOUT_S * 1e9)))
