@@ -31,14 +31,14 @@ def open_fds():
     return len(os.listdir("/proc/self/fd"))
 
 
-def shared_target(module: str, *args: str):
-    """A module-scoped fixture: one ``module`` target process per provider (``python -m module``, with ``args``),
-    shared by the test module's tests as (fabric, server), as a target serves one writer after another; starting
-    one for each test cost each some 0.7 s."""
-    @pytest.fixture(scope="module", params=PROVIDERS, ids=[p for p, _ in PROVIDERS])
+def shared_target(module: str, *args: str, fabrics=PROVIDERS, ids=None, env=None):
+    """A module-scoped fixture: one ``module`` target process per fabric (``python -m module``, with ``args`` and
+    ``env(fabric)`` added to its environment), shared by the test module's tests as (fabric, server), as a target
+    serves one writer after another; starting one for each test cost each some 0.7 s."""
+    @pytest.fixture(scope="module", params=fabrics, ids=ids or [p for p, _ in fabrics])
     def target(request):
         fabric = available(request.param)
-        with start_server(module, *provider_args(*fabric), *args) as server:
+        with start_server(module, *provider_args(*fabric), *args, env=env(fabric) if env else None) as server:
             yield fabric, server
     return target
 

@@ -19,7 +19,7 @@ import pytest
 from fabriclab import bidirectional, fi, memory, multi_nic, rdma_write, shmclean, threaded
 from fabriclab.tools import bench
 from fabriclab.tools.peers import start_server
-from conftest import PROVIDERS, available, provider_args
+from conftest import PROVIDERS, available, provider_args, shared_target
 from helpers import LINE_TIMEOUT, Child, regions_of
 
 HERE = Path(__file__).resolve().parent
@@ -28,12 +28,20 @@ SIM = (fi.MODELED_PROVIDER, None)
 PAYLOAD = {"FABRICLAB_SIM_PAYLOAD": "1"}
 
 
-@pytest.fixture(params=PROVIDERS + [SIM], ids=[p for p, _ in PROVIDERS] + ["sim-payload"])
+FABRICS, FABRIC_IDS = PROVIDERS + [SIM], [p for p, _ in PROVIDERS] + ["sim-payload"]
+
+
+def payload_env(fabric) -> dict:
+    return PAYLOAD if fabric == SIM else {}
+
+
+@pytest.fixture(params=FABRICS, ids=FABRIC_IDS)
 def any_fabric(request):
-    provider, _ = request.param
-    if provider not in fi.available_providers():
-        pytest.skip(f"provider {provider} is not available here")
-    return request.param
+    return available(request.param)
+
+
+# One target per fabric for the runs that end as they should (a writer gone mid-run gets a target of its own).
+any_target = shared_target("fabriclab.multi_nic", "--timeout", "10", fabrics=FABRICS, ids=FABRIC_IDS, env=payload_env)
 
 
 def run_writer(fabric, address, threads, groups, nics, total, rounds=1, count=False, env=None):
@@ -65,22 +73,22 @@ LAYOUTS = [(0, 2, 3), *[(t, t, 2 * t) for t in range(1, (os.cpu_count() or 1) + 
 
 
 @pytest.mark.parametrize("threads, groups, nics", LAYOUTS, ids=[f"t{t}-g{g}-n{n}" for t, g, n in LAYOUTS])
-def test_one_target_thread_receives_every_run_byte_exact(any_fabric, threads, groups, nics):
-    env = PAYLOAD if any_fabric == SIM else {}
-    with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "10", env=env) as server:
-        total = 3 * (1 << 20) + 4096 * 5 + 17  # every page three times over, and a short last page
-        runs = run_writer(any_fabric, server.address_hex, threads, groups, nics, total, rounds=2, env=env)
-        assert len(runs) == 2
-        for run in runs:
-            report = run["report"]
-            assert report["counted"] is False and report["target_threads"] == 1
-            assert report["verified"] is True, report  # byte-exact: the model too, in payload mode
-            assert report["arrivals"] == run["writes"] and report["duplicates"] == 0
-            assert report["marks"] == run["marks_sent"] == article_marks(run["of_slot"], run["writes"])
-            assert report["distinct_pages"] == 0  # nothing was counted page by page
-            assert run["threads"] == max(threads, 1)
-        assert len(server.wait_for_log(r"1 target thread.*waiting for each NIC's last write").group(0)) > 0
-        assert target_threads(server) == 0  # the run is over: its thread is gone, not polling on
+def test_one_target_thread_receives_every_run_byte_exact(any_target, threads, groups, nics):
+    fabric, server = any_target
+    server.skip_log()
+    total = 3 * (1 << 20) + 4096 * 5 + 17  # every page three times over, and a short last page
+    runs = run_writer(fabric, server.address_hex, threads, groups, nics, total, rounds=2, env=payload_env(fabric))
+    assert len(runs) == 2
+    for run in runs:
+        report = run["report"]
+        assert report["counted"] is False and report["target_threads"] == 1
+        assert report["verified"] is True, report  # byte-exact: the model too, in payload mode
+        assert report["arrivals"] == run["writes"] and report["duplicates"] == 0
+        assert report["marks"] == run["marks_sent"] == article_marks(run["of_slot"], run["writes"])
+        assert report["distinct_pages"] == 0  # nothing was counted page by page
+        assert run["threads"] == max(threads, 1)
+    assert len(server.wait_for_log(r"1 target thread.*waiting for each NIC's last write").group(0)) > 0
+    assert target_threads(server) == 0  # the run is over: its thread is gone, not polling on
 
 
 def test_the_target_runs_one_thread_whatever_the_writer_has(fabric):
@@ -103,22 +111,23 @@ def test_the_target_runs_one_thread_whatever_the_writer_has(fabric):
 
 
 @pytest.mark.parametrize("threads", [0, 1, os.cpu_count() or 1])
-def test_the_checking_mode_still_counts_every_write(any_fabric, threads):
-    env = PAYLOAD if any_fabric == SIM else {}
-    with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "10", env=env) as server:
-        (run,) = run_writer(any_fabric, server.address_hex, threads, max(threads, 2), 4, 3 << 20, count=True, env=env)
-        report, pages = run["report"], (1 << 20) // 4096
-        assert report["counted"] is True and report["verified"] is True
-        assert report["arrivals"] == run["writes"] == 3 * pages == run["marks_sent"]
-        assert report["distinct_pages"] == pages and report["min_per_page"] == report["max_per_page"] == 3
-        server.wait_for_log(r"1 target thread.*counting every write")
+def test_the_checking_mode_still_counts_every_write(any_target, threads):
+    fabric, server = any_target
+    server.skip_log()
+    (run,) = run_writer(fabric, server.address_hex, threads, max(threads, 2), 4, 3 << 20, count=True,
+                        env=payload_env(fabric))
+    report, pages = run["report"], (1 << 20) // 4096
+    assert report["counted"] is True and report["verified"] is True
+    assert report["arrivals"] == run["writes"] == 3 * pages == run["marks_sent"]
+    assert report["distinct_pages"] == pages and report["min_per_page"] == report["max_per_page"] == 3
+    server.wait_for_log(r"1 target thread.*counting every write")
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_a_writer_gone_mid_run_is_a_timeout_at_the_target_not_a_hang(any_fabric, how):
     """The writer dies (or stops) mid-run: the target, which sees no write until the last ones, says so
     within its timeout, frees its thread, and serves the next writer."""
-    env = PAYLOAD if any_fabric == SIM else {}
+    env = payload_env(any_fabric)
     with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "3", env=env) as server:
         args = [sys.executable, str(HERE / "course_writer.py"), any_fabric[0], any_fabric[1] or "-",
                 server.address_hex, "1", "2", "2", str(1 << 38), "1"]
