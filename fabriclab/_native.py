@@ -459,12 +459,20 @@ class NativeTarget:
         """The loop itself, on the calling thread (pinned to ``core`` unless it is negative), until the run is
         complete, :meth:`stop`, or the writer was silent for ``timeout`` seconds mid-run: 0, or a negative error
         code (:attr:`NativeEngine.error`). Where the provider moves writes only while the target polls
-        (FI_PROGRESS_MANUAL), the loop never sleeps during a run."""
+        (FI_PROGRESS_MANUAL), the loop never sleeps during a run. A loop stuck inside a provider call for
+        ``timeout`` seconds also ends the run with an error, its thread left behind (:attr:`stranded`)."""
         manual = self.engine.nics.slots[0].info.data_progress == lib.FI_PROGRESS_MANUAL
         return lib.fl_target_run(self.engine._ptr, core, int(manual), timeout)
 
     def stop(self) -> None:
         self.engine._ptr.stop = 1
+
+    @property
+    def stranded(self) -> bool:
+        """The loop's thread was given up on, stuck in a provider call (:meth:`run` returned the run's error
+        meanwhile): it may still use the engine, its NICs and the memory they registered, so none of them may be
+        closed or freed, for the life of the process."""
+        return self.engine._ptr.course.target_stranded > 0
 
     def writer_heard(self) -> None:
         """The writer said it is writing: the loop's silence clock restarts."""

@@ -165,12 +165,13 @@ class MultiNicTarget(rdma_write.Target):
     def release(self) -> None:
         if self._loop is not None and self._loop.is_alive():
             self.loop.stop()
-            self._loop.join(WORKER_EXIT_TIMEOUT)
-            if self._loop.is_alive():
-                print(f"target: the last run's thread did not stop within {WORKER_EXIT_TIMEOUT:g} s (stuck in the "
-                      "provider): its NICs and memory stay allocated", flush=True)
-                _STUCK_LOOPS.append((self._loop, self.engine, self.loop, self.registrations, self.nicset, self.buffer))
-                self.engine, self.registrations, self.nicset, self.buffer = None, [], None, None
+            self._loop.join(WORKER_EXIT_TIMEOUT + 1)  # the loop gives up on a stuck thread by WORKER_EXIT_TIMEOUT
+        if self._loop is not None and (self._loop.is_alive() or self.loop.stranded):
+            print("target: the last run's thread is stuck in a provider call and was left behind: its NICs and "
+                  "memory stay allocated", flush=True)
+            _STUCK_LOOPS.append((self._loop, self.engine, self.loop, self.registrations, self.nicset, self.buffer))
+            self.nicset.keep_open()  # not even closed at exit: the stuck thread may still read them
+            self.engine, self.registrations, self.nicset, self.buffer = None, [], None, None
         self._loop, self.loop = None, None
         release_nics(self)
         super().release()

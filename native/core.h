@@ -122,6 +122,9 @@ typedef struct fl_course_data {
     int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
     int (*stage_set_context)(void *context);
     void *stage_context;
+    /* Target threads fl_target_run gave up on, stuck in a provider call (course.c, target_watch): each may
+     * still touch this engine and its NICs, which therefore stay allocated (fl_engine_free) and open. */
+    volatile int target_stranded;
 } fl_course_data;
 
 /* The service's part of an engine (fabriclab.Engine, service.c): per transfer id, FL_TRANSFER_FIELDS

@@ -317,10 +317,18 @@ int fl_write_run(fl_engine *e, const fl_run_config *cfg) {
 #define IDLE_SLEEP_MIN_NS 50000ull
 #define IDLE_SLEEP_MAX_NS 1000000ull       /* the longest a landing (or a stop) waits to be seen */
 
+/* The target thread's state, on the heap: a thread given up on (target_watch) may still run, and owns it
+ * then. TARGET_LOOPING until the thread ends (TARGET_ENDED) or fl_target_run gives up on it
+ * (TARGET_ABANDONED); whichever comes first wins. */
+enum { TARGET_LOOPING, TARGET_ENDED, TARGET_ABANDONED };
+
 typedef struct target_ctx {
     fl_engine *e;
     int core, manual;
     uint64_t timeout_ns;
+    _Atomic uint64_t passed_ns; /* when the thread last came out of a pass over its queues; 0 once it left
+                                 * its loop (what follows is not a provider call) */
+    _Atomic int state;
 } target_ctx;
 
 /* Count a batch of completions: each marked write once (a bit per write), and in the checking mode its page
@@ -378,20 +386,31 @@ static int read_queues(fl_engine *e, struct fi_cq_data_entry *entries) {
         int64_t counted = take_arrivals(e, entries, got);
         if (counted < 0) return -1;
         n->arrivals += (uint64_t)counted;
-        e->course.arrivals += (uint64_t)counted;
+        __atomic_store_n(&e->course.arrivals, e->course.arrivals + (uint64_t)counted, __ATOMIC_RELAXED);
         got_any = 1;
     }
     return got_any;
 }
 
-static void target_silent(fl_engine *e, uint64_t expected, double timeout_s) {
+/* `stuck`: what the watchdog adds when the thread itself could not tell (empty from the thread). */
+static void target_silent(fl_engine *e, uint64_t expected, double timeout_s, const char *stuck) {
     const char *what = e->course.marks_only ? "marked last writes" : "writes";
+    unsigned long long arrivals = __atomic_load_n(&e->course.arrivals, __ATOMIC_RELAXED); /* the watchdog's too */
     if (expected != UINT64_MAX)
-        flc_fail(e, -FI_ETIMEDOUT, "only %llu of the run's %llu %s arrived; nothing more for %.1f s",
-                 (unsigned long long)e->course.arrivals, (unsigned long long)expected, what, timeout_s);
+        flc_fail(e, -FI_ETIMEDOUT, "only %llu of the run's %llu %s arrived; nothing more for %.1f s%s",
+                 arrivals, (unsigned long long)expected, what, timeout_s, stuck);
     else
         flc_fail(e, -FI_ETIMEDOUT, "the writer went silent mid-run: no write landed and no word came for %.1f s "
-                 "(%llu %s had landed); is it gone?", timeout_s, (unsigned long long)e->course.arrivals, what);
+                 "(%llu %s had landed); is it gone?%s", timeout_s, arrivals, what, stuck);
+}
+
+/* The thread leaves its loop: 1 if it was given up on meanwhile (then it frees its state and touches
+ * nothing more), else 0. */
+static int target_abandoned(target_ctx *t) {
+    atomic_store(&t->passed_ns, 0);
+    if (atomic_load(&t->state) != TARGET_ABANDONED) return 0;
+    free(t);
+    return 1;
 }
 
 static void *target_thread(void *arg) {
@@ -406,15 +425,18 @@ static void *target_thread(void *arg) {
     }
     struct fi_cq_data_entry entries[CQ_BATCH];
     if (staging_thread_setup(e)) return NULL;
+    atomic_store(&t->passed_ns, fl_now_ns()); /* from here on the watchdog judges its passes */
     uint64_t last_arrival = 0, first_word = 0, idle_passes = 0, sleep_ns = IDLE_SLEEP_MIN_NS;
     int complete = 0;
     while (!stopping(e)) {
         int got_any = read_queues(e, entries);
-        if (got_any < 0) return NULL;
+        if (got_any < 0) break;
         uint64_t now = fl_now_ns();
+        atomic_store_explicit(&t->passed_ns, now, memory_order_relaxed);
         if (got_any) {
             if (!e->course.first_arrival_ns) e->course.first_arrival_ns = now;
-            last_arrival = e->course.last_arrival_ns = now;
+            last_arrival = now;
+            __atomic_store_n(&e->course.last_arrival_ns, now, __ATOMIC_RELAXED); /* target_watch reads it */
             idle_passes = 0;
             sleep_ns = IDLE_SLEEP_MIN_NS;
         }
@@ -427,7 +449,7 @@ static void *target_thread(void *arg) {
         if (heard && !first_word) first_word = heard;
         uint64_t alive = heard > last_arrival ? heard : last_arrival;
         if (alive && now > alive && now - alive > t->timeout_ns) {
-            target_silent(e, expected, t->timeout_ns / 1e9);
+            target_silent(e, expected, t->timeout_ns / 1e9, "");
             break;
         }
         if (got_any) continue;
@@ -439,12 +461,70 @@ static void *target_thread(void *arg) {
         nanosleep(&pause, NULL);
         sleep_ns = sleep_ns * 2 < IDLE_SLEEP_MAX_NS ? sleep_ns * 2 : IDLE_SLEEP_MAX_NS;
     }
+    if (target_abandoned(t)) return NULL;
     /* landed_s in the article's mode: from the writer's first word, as no earlier write announces itself */
     if (e->course.marks_only && first_word) e->course.first_arrival_ns = first_word;
     /* staged GPU memory: the article's receiver copies what landed once, after the run */
     if (complete && e->course.marks_only && e->course.stage_device_base)
         stage_page(e, e->course.stage_device_base, e->course.stage_host_base, 0, e->course.target_buffer_bytes);
+    int looping = TARGET_LOOPING;
+    if (!atomic_compare_exchange_strong(&t->state, &looping, TARGET_ENDED)) free(t); /* given up on meanwhile */
     return NULL;
+}
+
+/* The watchdog's verdict on a target thread that has not come out of a pass over its queues for stuck_ns
+ * (a healthy pass takes microseconds): WATCH_ON while that may still be a slow pass; WATCH_SILENT once the
+ * writer, too, has been silent for the timeout (what the thread would have said, had it run); WATCH_STUCK
+ * after twice the timeout whatever the writer says (the thread cannot serve it), or FL_STOP_TIMEOUT_S into
+ * a stop that was asked for. */
+enum { WATCH_ON, WATCH_SILENT, WATCH_STUCK };
+
+static int target_verdict(fl_engine *e, const target_ctx *t, uint64_t now, uint64_t stuck_ns) {
+    uint64_t heard = __atomic_load_n(&e->course.writer_heard_ns, __ATOMIC_RELAXED);
+    uint64_t landed = __atomic_load_n(&e->course.last_arrival_ns, __ATOMIC_RELAXED);
+    uint64_t alive = heard > landed ? heard : landed;
+    if (stuck_ns > t->timeout_ns && alive && now > alive && now - alive > t->timeout_ns) return WATCH_SILENT;
+    if (stuck_ns > 2 * t->timeout_ns || (stopping(e) && stuck_ns > (uint64_t)(FL_STOP_TIMEOUT_S * 1e9)))
+        return WATCH_STUCK;
+    return WATCH_ON;
+}
+
+/* The watchdog, on fl_target_run's thread, outside every provider call. The target thread's own silence
+ * clock runs only between its calls: a call that never returns (shm's fi_cq_read spins for ever on its
+ * region's lock when a writer was stopped, SIGSTOP, or killed while it held that lock to post a write)
+ * would leave the run neither done nor failed. Past target_verdict's limits the run fails here, saying why,
+ * and the thread is given up on as a stuck service worker is (service.h, at fl_service_stop): detached at
+ * idle priority, renamed fl-stranded, its engine kept allocated (target_stranded). Returns once the thread
+ * ended or was given up on. */
+static void target_watch(fl_engine *e, target_ctx *t, pthread_t tid) {
+    for (;;) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += 100000000L; /* a tenth of a second between looks */
+        if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+        if (pthread_timedjoin_np(tid, NULL, &until) == 0) break;
+        uint64_t passed = atomic_load(&t->passed_ns), now = fl_now_ns();
+        int verdict = passed && now > passed ? target_verdict(e, t, now, now - passed) : WATCH_ON;
+        double timeout_s = t->timeout_ns / 1e9;
+        int looping = TARGET_LOOPING;
+        if (verdict == WATCH_ON || !atomic_compare_exchange_strong(&t->state, &looping, TARGET_ABANDONED))
+            continue; /* on its way, or it just ended */
+        /* from here on t is the thread's (it frees it if it ever comes back) */
+        char stuck[160];
+        snprintf(stuck, sizeof stuck, " (the target thread has been stuck in the provider's fi_cq_read for %.1f s, "
+                 "on a lock a stopped or killed peer holds: it is left behind)", (now - passed) / 1e9);
+        if (verdict == WATCH_SILENT)
+            target_silent(e, __atomic_load_n(&e->course.expected_arrivals, __ATOMIC_ACQUIRE), timeout_s, stuck);
+        else
+            flc_fail(e, -FI_ETIMEDOUT, "the run cannot go on:%s", stuck);
+        struct sched_param idle = {0};
+        pthread_setschedparam(tid, SCHED_IDLE, &idle);
+        pthread_setname_np(tid, "fl-stranded");
+        pthread_detach(tid);
+        e->course.target_stranded++;
+        return;
+    }
+    free(t);
 }
 
 int fl_target_run(fl_engine *e, int core, int manual_progress, double timeout_s) {
@@ -455,13 +535,19 @@ int fl_target_run(fl_engine *e, int core, int manual_progress, double timeout_s)
         return e->error_code = -FI_EINVAL;
     }
     e->course.first_arrival_ns = e->course.last_arrival_ns = 0;
-    target_ctx ctx = {e, core, manual_progress, (uint64_t)(timeout_s * 1e9)};
+    target_ctx *ctx = calloc(1, sizeof *ctx);
+    if (!ctx) {
+        flc_fail(e, -FI_ENOMEM, "cannot start the target thread: out of memory");
+        return e->error_code;
+    }
+    *ctx = (target_ctx){.e = e, .core = core, .manual = manual_progress, .timeout_ns = (uint64_t)(timeout_s * 1e9)};
     pthread_t tid;
-    int rc = pthread_create(&tid, NULL, target_thread, &ctx);
+    int rc = pthread_create(&tid, NULL, target_thread, ctx);
     if (rc) {
+        free(ctx);
         flc_fail(e, -rc, "cannot start the target thread: %s", strerror(rc));
         return e->error_code;
     }
-    pthread_join(tid, NULL);
+    target_watch(e, ctx, tid);
     return e->error_code;
 }

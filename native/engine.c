@@ -35,6 +35,7 @@ int fl_engine_free(fl_engine *e) {
     if (!e) return 0;
     int left = fl_service_stop(e, FL_STOP_TIMEOUT_S);
     if (!left) left = flc_service_release_stranded(e);
+    if (!left) left = e->course.target_stranded;
     if (left) return left; /* threads stuck in the engine may still touch any of it: it stays allocated */
     engine_state *st = e->state;
     for (int i = 0; e->nics && i < e->nnics; i++) {

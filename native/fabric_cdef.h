@@ -263,6 +263,7 @@ typedef struct fl_course_data {
     int (*stage_copy)(uint64_t dst, uint64_t src, size_t bytes);
     int (*stage_set_context)(void *context);
     void *stage_context;
+    volatile int target_stranded;
     ...;
 } fl_course_data;
 typedef struct fl_service_data {

@@ -347,11 +347,13 @@ def test_lifecycles_do_not_leak():
         cycle()
     gc.collect()
     fds, rss = open_fds(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    for _ in range(250):  # 500 engines, with a peer and a region each
+    # 200 engines, with a peer and a region each. Peak RSS grows at most 1 MiB over 250 cycles here, and 81 MiB
+    # within the first 50 with the IpcPath <-> Service cycle only the GC could break (1f20a80), 91 MiB by 250.
+    for _ in range(100):
         cycle()
     gc.collect()
     assert open_fds() <= fds
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 64 * 1024  # KiB: no steady growth
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 32 * 1024  # KiB: no steady growth
 
 
 def test_bench_api_compares_engine_and_stage_15_paths(fabric):

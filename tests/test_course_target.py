@@ -4,8 +4,11 @@ writer threads; the checking mode still counts every write; a writer that dies m
 the target, not a hang. And threads sized to the box: writer threads plus the target's never outnumber the
 cores this process may use, and the bench says so with every figure."""
 import json
+import mmap
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -13,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from fabriclab import bidirectional, fi, memory, multi_nic, rdma_write, threaded
+from fabriclab import bidirectional, fi, memory, multi_nic, rdma_write, shmclean, threaded
 from fabriclab.tools import bench
 from fabriclab.tools.peers import start_server
-from conftest import PROVIDERS, provider_args
-from helpers import LINE_TIMEOUT, Child
+from conftest import PROVIDERS, available, provider_args, shared_target
+from helpers import LINE_TIMEOUT, Child, regions_of
 
 HERE = Path(__file__).resolve().parent
 SIM = (fi.MODELED_PROVIDER, None)
@@ -25,12 +28,20 @@ SIM = (fi.MODELED_PROVIDER, None)
 PAYLOAD = {"FABRICLAB_SIM_PAYLOAD": "1"}
 
 
-@pytest.fixture(params=PROVIDERS + [SIM], ids=[p for p, _ in PROVIDERS] + ["sim-payload"])
+FABRICS, FABRIC_IDS = PROVIDERS + [SIM], [p for p, _ in PROVIDERS] + ["sim-payload"]
+
+
+def payload_env(fabric) -> dict:
+    return PAYLOAD if fabric == SIM else {}
+
+
+@pytest.fixture(params=FABRICS, ids=FABRIC_IDS)
 def any_fabric(request):
-    provider, _ = request.param
-    if provider not in fi.available_providers():
-        pytest.skip(f"provider {provider} is not available here")
-    return request.param
+    return available(request.param)
+
+
+# One target per fabric for the runs that end as they should (a writer gone mid-run gets a target of its own).
+any_target = shared_target("fabriclab.multi_nic", "--timeout", "10", fabrics=FABRICS, ids=FABRIC_IDS, env=payload_env)
 
 
 def run_writer(fabric, address, threads, groups, nics, total, rounds=1, count=False, env=None):
@@ -62,22 +73,22 @@ LAYOUTS = [(0, 2, 3), *[(t, t, 2 * t) for t in range(1, (os.cpu_count() or 1) + 
 
 
 @pytest.mark.parametrize("threads, groups, nics", LAYOUTS, ids=[f"t{t}-g{g}-n{n}" for t, g, n in LAYOUTS])
-def test_one_target_thread_receives_every_run_byte_exact(any_fabric, threads, groups, nics):
-    env = PAYLOAD if any_fabric == SIM else {}
-    with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "10", env=env) as server:
-        total = 3 * (1 << 20) + 4096 * 5 + 17  # every page three times over, and a short last page
-        runs = run_writer(any_fabric, server.address_hex, threads, groups, nics, total, rounds=2, env=env)
-        assert len(runs) == 2
-        for run in runs:
-            report = run["report"]
-            assert report["counted"] is False and report["target_threads"] == 1
-            assert report["verified"] is True, report  # byte-exact: the model too, in payload mode
-            assert report["arrivals"] == run["writes"] and report["duplicates"] == 0
-            assert report["marks"] == run["marks_sent"] == article_marks(run["of_slot"], run["writes"])
-            assert report["distinct_pages"] == 0  # nothing was counted page by page
-            assert run["threads"] == max(threads, 1)
-        assert len(server.wait_for_log(r"1 target thread.*waiting for each NIC's last write").group(0)) > 0
-        assert target_threads(server) == 0  # the run is over: its thread is gone, not polling on
+def test_one_target_thread_receives_every_run_byte_exact(any_target, threads, groups, nics):
+    fabric, server = any_target
+    server.skip_log()
+    total = 3 * (1 << 20) + 4096 * 5 + 17  # every page three times over, and a short last page
+    runs = run_writer(fabric, server.address_hex, threads, groups, nics, total, rounds=2, env=payload_env(fabric))
+    assert len(runs) == 2
+    for run in runs:
+        report = run["report"]
+        assert report["counted"] is False and report["target_threads"] == 1
+        assert report["verified"] is True, report  # byte-exact: the model too, in payload mode
+        assert report["arrivals"] == run["writes"] and report["duplicates"] == 0
+        assert report["marks"] == run["marks_sent"] == article_marks(run["of_slot"], run["writes"])
+        assert report["distinct_pages"] == 0  # nothing was counted page by page
+        assert run["threads"] == max(threads, 1)
+    assert len(server.wait_for_log(r"1 target thread.*waiting for each NIC's last write").group(0)) > 0
+    assert target_threads(server) == 0  # the run is over: its thread is gone, not polling on
 
 
 def test_the_target_runs_one_thread_whatever_the_writer_has(fabric):
@@ -100,22 +111,23 @@ def test_the_target_runs_one_thread_whatever_the_writer_has(fabric):
 
 
 @pytest.mark.parametrize("threads", [0, 1, os.cpu_count() or 1])
-def test_the_checking_mode_still_counts_every_write(any_fabric, threads):
-    env = PAYLOAD if any_fabric == SIM else {}
-    with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "10", env=env) as server:
-        (run,) = run_writer(any_fabric, server.address_hex, threads, max(threads, 2), 4, 3 << 20, count=True, env=env)
-        report, pages = run["report"], (1 << 20) // 4096
-        assert report["counted"] is True and report["verified"] is True
-        assert report["arrivals"] == run["writes"] == 3 * pages == run["marks_sent"]
-        assert report["distinct_pages"] == pages and report["min_per_page"] == report["max_per_page"] == 3
-        server.wait_for_log(r"1 target thread.*counting every write")
+def test_the_checking_mode_still_counts_every_write(any_target, threads):
+    fabric, server = any_target
+    server.skip_log()
+    (run,) = run_writer(fabric, server.address_hex, threads, max(threads, 2), 4, 3 << 20, count=True,
+                        env=payload_env(fabric))
+    report, pages = run["report"], (1 << 20) // 4096
+    assert report["counted"] is True and report["verified"] is True
+    assert report["arrivals"] == run["writes"] == 3 * pages == run["marks_sent"]
+    assert report["distinct_pages"] == pages and report["min_per_page"] == report["max_per_page"] == 3
+    server.wait_for_log(r"1 target thread.*counting every write")
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_a_writer_gone_mid_run_is_a_timeout_at_the_target_not_a_hang(any_fabric, how):
     """The writer dies (or stops) mid-run: the target, which sees no write until the last ones, says so
     within its timeout, frees its thread, and serves the next writer."""
-    env = PAYLOAD if any_fabric == SIM else {}
+    env = payload_env(any_fabric)
     with start_server("fabriclab.multi_nic", *provider_args(*any_fabric), "--timeout", "3", env=env) as server:
         args = [sys.executable, str(HERE / "course_writer.py"), any_fabric[0], any_fabric[1] or "-",
                 server.address_hex, "1", "2", "2", str(1 << 38), "1"]
@@ -137,6 +149,99 @@ def test_a_writer_gone_mid_run_is_a_timeout_at_the_target_not_a_hang(any_fabric,
             writer.kill()
         (run,) = run_writer(any_fabric, server.address_hex, 1, 2, 2, 1 << 20, env=env)  # the target serves on
         assert run["report"]["verified"] is True
+
+
+def thread_ticks(pid: int, name: str) -> tuple[int, int] | None:
+    """(user, system) CPU clock ticks of process ``pid``'s thread named ``name``; None when it has none."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        if (task / "comm").read_text().strip() == name:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            return int(fields[11]), int(fields[12])
+    return None
+
+
+def spinning_without_system_calls(pid: int, name: str) -> bool:
+    """Process ``pid``'s thread ``name`` runs 20 ticks of user time without one in the kernel, within 3 s: it
+    spins on a lock. A polling target spends most of its ticks in the kernel (it yields its core at every empty
+    pass), so it never runs that long without one."""
+    user, system = thread_ticks(pid, name) or (0, 0)
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        user_now, system_now = thread_ticks(pid, name) or (0, 0)
+        if system_now != system:  # in the kernel: count again from here
+            user, system = user_now, system_now
+        elif user_now - user >= 20:
+            return True
+    return False
+
+
+# libfabric 1.17's shm region (struct smr_region, at the start of its /dev/shm file): its owner's pid; the
+# spinlock a peer takes to post into it (glibc on x86: 1 when free, 0 when held); and the signal a peer raises
+# after posting, without which the owner's progress does not look (nor take the lock).
+SMR_PID, SMR_LOCK, SMR_SIGNAL, SMR_LOCK_FREE, SMR_LOCK_HELD = 4, 24, 28, 1, 0
+
+
+def lock_as_a_stopped_peer_does(region: mmap.mmap, pid: int, name: str) -> None:
+    """Leave the lock of shm region ``region`` held, as a peer stopped while it posts does (an earlier post's
+    signal raised), until process ``pid``'s thread ``name`` is caught spinning on it (a pass of the owner
+    holding the lock itself at that moment undoes one)."""
+    if struct.unpack_from("<i", region, SMR_PID)[0] != pid:
+        pytest.skip("this libfabric's shm regions are not laid out as 1.17's (the owner's pid is not where it was)")
+    for _ in range(20):
+        if struct.unpack_from("<i", region, SMR_LOCK)[0] == SMR_LOCK_FREE:
+            struct.pack_into("<i", region, SMR_LOCK, SMR_LOCK_HELD)
+            struct.pack_into("<i", region, SMR_SIGNAL, 1)
+            if spinning_without_system_calls(pid, name):
+                return
+    raise AssertionError(f"process {pid}'s thread {name} never spun on its held shm lock")
+
+
+def test_a_writer_stopped_holding_the_targets_lock_is_a_timeout_at_the_target_not_a_hang():
+    """shm: a writer stopped (or killed) while it holds the lock of the target's queue (which it takes to post)
+    leaves the target thread spinning inside fi_cq_read, where its own silence clock cannot run: this happened
+    to test_a_writer_gone_mid_run...[shm-SIGSTOP] about once in 25 runs. Here the stopped writer's lock is forged
+    in the target's region. The run still fails within the target's timeout, saying why; the stuck thread is
+    left behind (fl-stranded, its NICs kept open) and leaves once the lock is free; the target serves on."""
+    fabric = available(("shm", None))
+    with start_server("fabriclab.multi_nic", *provider_args(*fabric), "--timeout", "3") as server:
+        pid = server.proc.pid
+        control = re.search(rb"fi_shm://([0-9:]+)", bytes.fromhex(server.address_hex)).group(1).decode()
+        writer = Child([sys.executable, str(HERE / "course_writer.py"), "shm", "-", server.address_hex, "1", "2", "2",
+                        str(1 << 38), "1"])
+        region = None
+        try:
+            assert writer.line(LINE_TIMEOUT, "prepared from the writer") == "prepared"
+            deadline = time.monotonic() + 5  # the thread names itself once running (native/course.c)
+            while target_threads(server) != 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(1.0)  # the run is on: heartbeats every HEARTBEAT_S, no write announces itself
+            writer.signal(signal.SIGSTOP)
+            nic = next(r for r in sorted(regions_of(pid)) if r != f"/dev/shm/{control}")  # a NIC slot's region
+            with open(nic, "r+b") as file:
+                region = mmap.mmap(file.fileno(), 4096)
+            lock_as_a_stopped_peer_does(region, pid, "fl-target")
+            start = time.monotonic()
+            line = server.wait_for_log(r"target: the run failed: (.*)", timeout=20).group(1)
+            assert time.monotonic() - start < 10
+            assert "the writer went silent mid-run" in line and "no word came for 3.0 s" in line, line
+            assert "stuck in the provider's fi_cq_read" in line and "left behind" in line, line
+            assert target_threads(server) == 0 and thread_ticks(pid, "fl-stranded")  # the stuck one, renamed
+        finally:
+            if region is not None:
+                struct.pack_into("<i", region, SMR_LOCK, SMR_LOCK_FREE)
+                region.close()
+            writer.kill()
+        deadline = time.monotonic() + 5
+        while thread_ticks(pid, "fl-stranded") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not thread_ticks(pid, "fl-stranded")  # the lock free, the thread left behind came back and ended
+        (run,) = run_writer(fabric, server.address_hex, 1, 2, 2, 1 << 20)  # the target serves on, on fresh NICs
+        assert run["report"]["verified"] is True
+        server.wait_for_log(r"the last run's thread is stuck in a provider call and was left behind")
+    assert regions_of(pid)  # the NICs kept open: their regions outlive the server, as a killed one's do,
+    shmclean.reclaim_stale_shm_regions()  # and go as those do (its owner record names a process now gone)
+    assert not regions_of(pid)
 
 
 def test_the_writers_word_is_checked(fabric):

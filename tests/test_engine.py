@@ -10,13 +10,10 @@ import pytest
 
 from fabriclab import batched, fi, gpu, memory, multi_nic, rdma_write, threaded
 from fabriclab.tools.peers import start_server
-from conftest import open_fds, provider_args
+from conftest import open_fds, provider_args, shared_target
 
 
-@pytest.fixture
-def target(fabric):
-    with start_server("fabriclab.multi_nic", *provider_args(*fabric), "--timeout", "10") as server:
-        yield fabric, server
+target = shared_target("fabriclab.multi_nic", "--timeout", "10")
 
 
 def writer_for(fabric, server, cls=batched.BatchedWriter, **options):

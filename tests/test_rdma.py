@@ -13,16 +13,13 @@ import pytest
 from fabriclab import batched, fi, gpu, memory, multi_nic, opqueue, rdma_write, threaded
 from fabriclab.tools import bench
 from fabriclab.tools.peers import start_server
-from conftest import open_fds, provider_args
+from conftest import open_fds, provider_args, shared_target
 
 # total bytes, page size: 1 byte, whole pages, and totals that are not a multiple of the page
 TRANSFERS = [(1, 1), (4096, 4096), (65536, 4096), (1 << 20, 65536), (3 * 65536 + 123, 65536), (1 << 20, 1 << 20)]
 
 
-@pytest.fixture
-def target(fabric):
-    with start_server("fabriclab.rdma_write", *provider_args(*fabric), "--timeout", "5") as server:
-        yield fabric, server
+target = shared_target("fabriclab.rdma_write", "--timeout", "5")
 
 
 @pytest.mark.parametrize("writer_class", [rdma_write.Writer, opqueue.QueuedWriter])

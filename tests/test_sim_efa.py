@@ -7,8 +7,7 @@ import pytest
 
 import test_api
 import test_engine
-from conftest import provider_args
-from fabriclab.tools.peers import start_server
+from conftest import shared_target
 from test_sim import pair, pump, run_python  # noqa: F401 (pair: the fixture)
 
 
@@ -42,13 +41,13 @@ def test_fi_more_run_never_flushed_never_leaves(pair):
 
 
 SIM = ("sim", None)
+sim_target = shared_target("fabriclab.multi_nic", "--timeout", "10", fabrics=[SIM])
 
 
-def test_the_engine_ends_every_fi_more_run_on_sim():
+def test_the_engine_ends_every_fi_more_run_on_sim(sim_target):
     """The stages' and the Engine's flush rule, where a run left open really stalls: test_engine's and
     test_api's FI_MORE checks, run on the model (their `fabric` fixture covers shm and tcp only)."""
-    with start_server("fabriclab.multi_nic", *provider_args(*SIM), "--timeout", "10") as server:
-        test_engine.test_fi_more_runs_always_end_without_fi_more((SIM, server))
+    test_engine.test_fi_more_runs_always_end_without_fi_more(sim_target)
     test_api.test_a_write_refused_right_after_an_fi_more_run_still_ends_the_run(SIM)
 
 
@@ -119,9 +118,8 @@ def test_local_completions_follow_the_wire_not_posting_order():
 
 
 @pytest.mark.parametrize("case", test_engine.CASES, ids=[f"{c[0].stage}-{i}" for i, c in enumerate(test_engine.CASES)])
-def test_every_stage_lands_every_page_once_with_completions_out_of_order(case):
+def test_every_stage_lands_every_page_once_with_completions_out_of_order(sim_target, case):
     """Chapters 9-15's stages and the engine on the model as it is by default (no ordering promise): test_engine's
     correctness cases, whose `fabric` fixture covers shm and tcp only."""
-    with start_server("fabriclab.multi_nic", *provider_args(*SIM), "--timeout", "10") as server:
-        test_engine.test_every_page_lands_exactly_once((SIM, server), *case)
+    test_engine.test_every_page_lands_exactly_once(sim_target, *case)
 

@@ -18,7 +18,7 @@ from fabriclab import (Engine, PeerLost, RegionClosed, StagingFailed, TransferEr
                        gpu, landing, lanecopy, memory, staging)
 from fabriclab import service as engine_module
 from fabriclab.nics import NicSet
-from helpers import PeerProcess
+from helpers import LINE_TIMEOUT, PeerProcess
 
 WRITER = os.path.join(os.path.dirname(__file__), "hostile_writer.py")
 
@@ -221,7 +221,9 @@ def writer_process_writing(fabric, target, landed):
     writer = subprocess.Popen([sys.executable, WRITER, fabric[0], fabric[1] or "-", packed, "100000", "4"],
                               stdout=subprocess.PIPE, text=True)
     try:
-        assert target.expect(4, 20).result(30) == 20  # it writes
+        # A process that starts in seconds (LINE_TIMEOUT), not within the target's timeout: these tests make that
+        # short, as it is the lease their lanes are held for, and a loaded box takes longer to start Python.
+        assert target.expect(4, 20, timeout=LINE_TIMEOUT).result(LINE_TIMEOUT + 10) == 20  # it writes
     except BaseException:
         writer.kill()
         writer.wait(10)

@@ -132,6 +132,12 @@ class ServerProcess:
             self._reader.join(1.0)
             raise ServerExited(f"{self.module} is gone", self.proc.returncode, self.log)
 
+    def skip_log(self) -> None:
+        """Leave the lines logged so far to no later :meth:`wait_for_log`: a server that serves several runs,
+        each waiting for lines of its own."""
+        with self._new_line:
+            self._cursor = self._count
+
     def wait_for_log(self, pattern: str, timeout: float = 10.0) -> re.Match:
         """Wait for the next log line matching the regular expression (lines matched or skipped by an
         earlier call are not looked at again)."""
