@@ -9,7 +9,7 @@ region, waits until it is deregistered, registers a fresh zeroed buffer of the s
 with its descriptor in hex: later digests are of that buffer). DOMAIN may name several NICs,
 comma-separated. With --staged-host the buffer is a staged target in host memory (Engine._register_staged_host:
 writes land in the engine's lanes and are copied into place before they count); --small-pool makes its landing pool 4
-lanes of two 64 KiB pages, leased for 30 s (the engine's timeout). With --hex it prints the packed (address,
+lanes of two 64 KiB pages, leased for 30 s (the engine's timeout; else 10 s, or --timeout=S). With --hex it prints the packed (address,
 descriptor) as one hex line instead of a port: a test outside the peer's network namespace cannot reach
 the peer's loopback, but it can always read the peer's stdout."""
 import hashlib
@@ -25,7 +25,7 @@ provider, domain, size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 bootstrap_as_hex = "--hex" in sys.argv[4:]
 staged = "--staged-host" in sys.argv[4:]
 pool = (dict(staging_bytes=8 << 16, staging_chunk_bytes=2 << 16, timeout=30) if "--small-pool" in sys.argv[4:]
-        else dict(timeout=10))
+        else dict(timeout=next((float(a.split("=", 1)[1]) for a in sys.argv[4:] if a.startswith("--timeout=")), 10)))
 threads = next((int(a.split("=", 1)[1]) for a in sys.argv[4:] if a.startswith("--threads=")), None)
 with Engine(provider, domains=None if domain == "-" else domain, threads=threads, pin=False, **pool) as engine:
     buffer = np.zeros(size, dtype=np.uint8)

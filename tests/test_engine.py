@@ -100,7 +100,7 @@ def test_fi_more_runs_always_end_without_fi_more(target):
 
 def test_target_killed_mid_transfer(fabric):
     gc.collect()
-    fds = open_fds()
+    fds, threads = open_fds(), threading.active_count()  # the module's shared target has a reader thread here
     with start_server("fabriclab.multi_nic", *provider_args(*fabric)) as server:
         with writer_for(fabric, server, nics=2, threads=1, in_flight=8) as writer:
             writer.timeout = 2.0
@@ -113,7 +113,7 @@ def test_target_killed_mid_transfer(fabric):
             assert "engine" in str(err.value)
     gc.collect()
     assert open_fds() <= fds + 2
-    assert threading.active_count() <= 2  # the engine's threads were joined
+    assert threading.active_count() <= threads  # the engine's threads were joined
 
 
 def test_keyboard_interrupt_stops_the_engine_and_python_goes_on(target):

@@ -84,11 +84,11 @@ def engine_nic_addresses(engine_address: bytes) -> list[bytes]:
     return out
 
 
-def start_peer(bed: Testbed, size: int) -> tuple[Child, str]:
+def start_peer(bed: Testbed, size: int, *options: str) -> tuple[Child, str]:
     """tests/api_peer.py in the server namespace, one NIC per link; returns it and its bootstrap hex line,
     once every NIC of it is known to sit on its own link (the writer sends nowhere else)."""
     bed.assert_contained()
-    peer = child(bed, "server", PEER, PROVIDER, domains(bed, "server"), size, "--hex")
+    peer = child(bed, "server", PEER, PROVIDER, domains(bed, "server"), size, "--hex", *options)
     try:
         peer_hex = peer.line(60, "bootstrap line from the peer")
         address, _ = bootstrap.unpack(bytes.fromhex(peer_hex))
@@ -212,7 +212,8 @@ RSS_GROWTH_PER_CYCLE_KIB = 20
 @pytest.mark.netns
 def test_engine_lifecycles_leak_neither_fds_nor_memory(bed):
     cycles, warmup, imm = 200, 50, 13
-    peer, peer_hex = start_peer(bed, PAGE)
+    # it expect()s the pages once the writer ended: pages nobody awaits yet are kept for the engine's timeout
+    peer, peer_hex = start_peer(bed, PAGE, "--timeout=300")
     with peer:
         peer_fds = open_fds_of(peer.proc.pid)
         with start_writer(bed, "cycles", peer_hex, cycles, warmup, imm) as writer:
