@@ -9,8 +9,14 @@ STAMP  := $(VENV)/.fabriclab-installed
 tour: setup
 	$(PY) -m fabriclab tour --lessons lessons --out build/lessons
 
+# The tests run in TEST_WORKERS processes (pytest-xdist; each test file whole in one: module fixtures stay
+# shared), as most of their time is waiting on peers, timeouts and children; the lessons then run alone,
+# since their checked facts compare measured figures and must not share the cores.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(PY) -m pytest tests lessons --nbval -p no:cacheprovider --durations=25
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile -p no:cacheprovider --durations=25
+	$(PY) -m pytest lessons --nbval -p no:cacheprovider --durations=10
 
 # Re-execute the committed notebooks in place and stamp each with what it ran on and the hashes of the code it
 # depends on (fabriclab/course/provenance.py); tests/test_notebooks_fresh.py fails when that code changes

@@ -8,8 +8,10 @@ granted. A message that fails is dropped on its own (the others read with it are
 :class:`Rejected`, which logs the first from each sender and then every tenfold count, never a line per
 message. Messages:
 
-    REQUEST  writer -> target   lanes wanted for a transfer, the region's key (from its descriptor), and
-                                the writer's control address
+    REQUEST  writer -> target   lanes wanted for a transfer, the region's key (from its descriptor), the
+                                writer's control address and its NICs' (where the target's provider keeps
+                                state for each peer that writes into it, the target inserts them so as to
+                                remove them once the writer is gone: nics.PeerEntries.reached_by)
     GRANT    target -> writer   these lanes are yours
     FILLED   writer -> target   lane L holds these pages (in order), for these offsets, counted under imm
     RELEASE  writer -> target   lane L is yours again, unfilled (the transfer failed or ended early)
@@ -57,7 +59,11 @@ _FULL = (f"each is a peer with a transfer running or a message on its way (an id
 
 REQUEST, GRANT, FILLED, RELEASE, COPIED, REFUSED, ALIVE, COPIED_IN = range(1, 9)
 HEAD = struct.Struct("<BQQ")           # kind, sender's engine id, the writer's job
-REQUEST_BODY = struct.Struct("<IQIH")  # region id, region key, lanes wanted, control address length (address follows)
+REQUEST_BODY = struct.Struct("<IQIHB")  # region id, region key, lanes wanted, control address length, NIC addresses
+                                       # (the control address follows, then each NIC address: ADDRESS_LENGTH, bytes)
+ADDRESS_LENGTH = struct.Struct("<H")
+NIC_ADDRESSES = 64                     # a REQUEST names at most this many NIC addresses of its writer
+NIC_ADDRESS_BYTES = 320                # each at most this long (fi.Address: shm's name, SMR_NAME_MAX, and a head)
 FILLED_BODY = struct.Struct("<IHII")   # region id, lane, imm, pages (entries follow)
 PAGE_ENTRY = struct.Struct("<QI")      # FILLED: a page's destination offset in the region and its length
 PAGE_ENTRIES = np.dtype([("dst", "<u8"), ("length", "<u4")])
@@ -95,15 +101,34 @@ def read(message: bytes) -> tuple[int, int, int, tuple[Any, ...]]:
     return kind, sender, job, reader(message[HEAD.size:])
 
 
+def request_body(region_id: int, key: int, wanted: int, address: bytes, nic_addresses: list[bytes]) -> bytes:
+    """A REQUEST's body: the region and its key, lanes wanted, the writer's control and NIC addresses."""
+    return (REQUEST_BODY.pack(region_id, key, wanted, len(address), len(nic_addresses)) + address
+            + b"".join(ADDRESS_LENGTH.pack(len(a)) + a for a in nic_addresses))
+
+
 def _request(body: bytes) -> tuple[Any, ...]:
     if len(body) < REQUEST_BODY.size:
         raise BadMessage(f"REQUEST of {len(body)} bytes is truncated")
-    region_id, key, wanted, size = REQUEST_BODY.unpack_from(body)
-    if size == 0 or len(body) != REQUEST_BODY.size + size:
+    region_id, key, wanted, size, count = REQUEST_BODY.unpack_from(body)
+    if size == 0 or len(body) < REQUEST_BODY.size + size:
         raise BadMessage(f"REQUEST says its address has {size} bytes, but {len(body) - REQUEST_BODY.size} follow")
     if wanted == 0:
         raise BadMessage("REQUEST for no lanes")
-    return region_id, key, wanted, body[REQUEST_BODY.size:]
+    if count > NIC_ADDRESSES:
+        raise BadMessage(f"REQUEST names {count} NIC addresses, more than {NIC_ADDRESSES}")
+    at = REQUEST_BODY.size + size
+    nic_addresses = []
+    for n in range(count):
+        length = ADDRESS_LENGTH.unpack_from(body, at)[0] if at + ADDRESS_LENGTH.size <= len(body) else -1
+        at += ADDRESS_LENGTH.size
+        if not 0 < length <= NIC_ADDRESS_BYTES or at + length > len(body):
+            raise BadMessage(f"REQUEST's NIC address {n} is truncated, or not 1 to {NIC_ADDRESS_BYTES} bytes long")
+        nic_addresses.append(body[at:at + length])
+        at += length
+    if at != len(body):
+        raise BadMessage(f"REQUEST has {len(body) - at} bytes after its last address")
+    return region_id, key, wanted, body[REQUEST_BODY.size:REQUEST_BODY.size + size], nic_addresses
 
 
 def _grant(body: bytes) -> tuple[Any, ...]:

@@ -58,6 +58,7 @@ from .control import BadMessage
 from .errors import StagingFailed
 from .landing_target import LandingTarget, TargetRegion
 from .landing_writer import LandingJob, LandingWriter
+from .nics import PeerEntries
 
 __all__ = ["Landing", "LandingJob", "TargetRegion", "max_lanes"]
 
@@ -83,17 +84,21 @@ class Landing:
     (``writer``). ``failure_type(message, buffer_safe, why, cause)`` makes a failed job's exception."""
 
     def __init__(self, provider: str, domain: str, engine_id: int, native: _native.NativeEngine,
-                 failure_type: Callable[..., BaseException], lease_s: float) -> None:
+                 failure_type: Callable[..., BaseException], lease_s: float, entries: PeerEntries) -> None:
         self.channel = control.ControlChannel(provider, domain, unreachable_s=lease_s)
         self.engine_id = engine_id
+        self.entries = entries  # the engine's: its writers' NIC addresses entered there (PeerEntries.reached_by)
+        self.tidied = time.monotonic()
         self.lock = threading.Lock()
         self.closed = False
         self.closing = threading.Event()  # set with ``closed``: the watcher's wait ends at once
         self.rejected = control.Rejected()
         self.peers: dict[int, int] = {}  # engines it serves or writes to -> how many transfers
         self.wake = threading.Event()  # something for the thread to do: a job, its writes done, a lane copied
-        self.target = LandingTarget(self.channel, engine_id, native, self.lock, self._count_peer, lease_s, self.wake)
-        self.writer = LandingWriter(self.channel, engine_id, self._count_peer, failure_type, self.wake)
+        self.target = LandingTarget(self.channel, engine_id, native, self.lock, self._count_peer, lease_s, self.wake,
+                                    entries.reached_by)
+        nic_addresses = [slot.ep.address().to_bytes() for slot in entries.slots][:control.NIC_ADDRESSES]
+        self.writer = LandingWriter(self.channel, engine_id, self._count_peer, failure_type, self.wake, nic_addresses)
         self.channel.in_use = lambda: self.target.dests() | self.writer.dests()
         self.handlers: dict[int, Callable[..., None]] = {
             control.REQUEST: self.target.requested, control.FILLED: self.target.filled,
@@ -194,6 +199,9 @@ class Landing:
                 control.log.exception("the landing thread hit an error; it goes on")
                 busy = False
             now = time.monotonic()
+            if now - self.tidied > control.QUIET_S:  # entries of writers whose endpoints are gone go
+                self.tidied = now
+                self.entries.trim()
             if busy:
                 self.last_busy = now
             elif self.writer.jobs or self.target.clients or now - self.last_busy < IDLE_S:

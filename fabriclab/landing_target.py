@@ -145,8 +145,9 @@ class LandingTarget:
 
     def __init__(self, channel: control.ControlChannel, engine_id: int, native: _native.NativeEngine,
                  lock: threading.Lock, count_peer: Callable[[int, int], None], lease_s: float,
-                 wake: threading.Event) -> None:
+                 wake: threading.Event, reached_by: Callable[[list[bytes]], None]) -> None:
         self.channel, self.engine_id, self.native, self.lock, self.wake = channel, engine_id, native, lock, wake
+        self.reached_by = reached_by  # a writer granted lanes writes through its NICs: PeerEntries.reached_by
         self._count_peer, self.lease_s, self.fill_s = count_peer, lease_s, min(FILL_S, lease_s)
         self.pool: staging.PinnedPool | None = None
         self.lanes: list[_Lane] = []
@@ -209,7 +210,8 @@ class LandingTarget:
         self._reply(client, control.REFUSED, control.REFUSED_BODY.pack(NO_LANE, control.WHY.index(why))
                     + text.encode()[:control.TEXT_CHARS])
 
-    def requested(self, writer: int, job: int, region_id: int, key: int, wanted: int, address: bytes) -> None:
+    def requested(self, writer: int, job: int, region_id: int, key: int, wanted: int, address: bytes,
+                  nic_addresses: list[bytes]) -> None:
         if (writer, job) in self.clients:
             raise BadMessage(f"a second REQUEST for job {job:#x}")
         try:
@@ -232,6 +234,7 @@ class LandingTarget:
             return
         self.clients[writer, job] = client
         self._count_peer(writer, 1)
+        self.reached_by(nic_addresses)
 
     def _grant(self) -> bool:
         """Free lanes to the transfers whose turn it is (_Senders.turns); one GRANT per transfer served."""

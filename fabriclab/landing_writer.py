@@ -88,9 +88,9 @@ class LandingWriter:
     exception."""
 
     def __init__(self, channel: control.ControlChannel, engine_id: int, count_peer: Callable[[int, int], None],
-                 failure_type: Callable[..., BaseException], wake: threading.Event) -> None:
+                 failure_type: Callable[..., BaseException], wake: threading.Event, nic_addresses: list[bytes]) -> None:
         self.channel, self.engine_id, self._count_peer, self.failure_type = channel, engine_id, count_peer, failure_type
-        self.wake = wake
+        self.wake, self.nic_addresses = wake, nic_addresses  # this engine's NICs: a REQUEST names them
         self.jobs: dict[int, LandingJob] = {}
         self.unsafe: list[LandingJob] = []  # failed jobs whose writes the provider has not all reported
         self.releasing: list[tuple[int, int, int, Transfer]] = []  # (target, job, lane, Transfer) once safe
@@ -165,9 +165,8 @@ class LandingWriter:
             job.settle(False)
 
     def _send_request(self, job: LandingJob) -> None:
-        address = self.channel.address
-        self._to_target(job, control.REQUEST, control.REQUEST_BODY.pack(job.region_id, job.region_key,
-                                                                        len(job.splits), len(address)) + address)
+        self._to_target(job, control.REQUEST, control.request_body(job.region_id, job.region_key, len(job.splits),
+                                                                   self.channel.address, self.nic_addresses))
 
     def _to_target(self, job: LandingJob, kind: int, body: bytes) -> None:
         self.channel.send(job.target, control.HEAD.pack(kind, self.engine_id, job.number) + body)

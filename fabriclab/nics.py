@@ -151,14 +151,52 @@ class PeerEntries:
     a peer engine, shared by every Peer to it, removed (fi_av_remove) by ``trim`` once ``needed()`` no longer
     names them, so that an engine reaching peers that come and go never fills its address vectors (shm's
     hold 256). ``needed(deep)`` returns the (slot, fi_addr) pairs still in use; ``deep``: the vector is
-    full, look harder (a peer of this host whose process is gone needs nothing)."""
+    full, look harder (a peer of this host whose process is gone needs nothing).
+
+    Peers that write into this engine are entered too, where the provider keeps state for each peer that
+    reaches an endpoint (``fi.AddressVector.maps_peers``; shm maps its region into one of 256 slots and
+    frees them only at fi_av_remove): a staged target learns its writers' NIC addresses from their REQUESTs
+    (``reached_by``), and each such entry stays until the writer's endpoint is gone (``peer_gone``), never
+    sooner, whoever named it: one removed while its endpoint could still write would have its next write
+    read an unmapped region. A target serving writers that come and go thus keeps only the live ones'."""
+
+    REACHED_ROOM = 16  # entries of a vector never taken by writers reaching this engine: kept for its own Peers
 
     def __init__(self, slots: list[NicSlot], needed: Callable[[bool], set[tuple[int, int]]], advice: str) -> None:
         self.slots, self.needed, self.advice = slots, needed, advice
         self.entries: dict[tuple[int, bytes], int] = {}  # (slot, peer's raw address) -> fi_addr
         self.kept: set[tuple[int, int]] = set()  # never removed: shm could not reuse the slot safely
+        self.reaching: set[tuple[int, bytes]] = set()  # (slot, raw address) of writers reaching this engine
         self.removed = 0
         self.lock = threading.Lock()
+
+    def reached_by(self, addresses: list[bytes]) -> None:
+        """A writer that writes into this engine through NICs at ``addresses`` (each an fi.Address's bytes,
+        untrusted): entered in the vectors that keep state for such peers, while there is room. Addresses
+        that fit no slot, or name no endpoint, are left out (the writer's own writes then say what is wrong)."""
+        with self.lock:
+            for slot in self.slots:
+                if not slot.av.maps_peers:
+                    continue
+                for data in addresses:
+                    try:
+                        address = fi.Address.from_bytes(data)
+                        address.check_compatible(slot.info)
+                    except fi.FabriclabError:
+                        continue
+                    key = (slot.index, address.raw)
+                    if key in self.entries:
+                        self.reaching.add(key)
+                        continue
+                    if len(slot.av.entries) >= slot.av.most - self.REACHED_ROOM:
+                        self._trim(True)
+                    if len(slot.av.entries) >= slot.av.most - self.REACHED_ROOM:
+                        break
+                    try:
+                        self.entries[key] = slot.av.insert(address)
+                    except fi.FabriclabError:
+                        continue
+                    self.reaching.add(key)
 
     def entry(self, slot: NicSlot, address: fi.Address) -> int:
         """The fi_addr of ``address`` in ``slot``'s address vector (inserted at first): AddressVectorFull,
@@ -183,7 +221,10 @@ class PeerEntries:
             self._trim(False)
 
     def _trim(self, deep: bool) -> None:
-        needed = self.needed(deep) | self.kept
+        if deep and self.reaching:
+            shmclean.reclaim_stale_shm_regions()  # killed writers' regions: gone once reclaimed
+        self.reaching = {(i, raw) for i, raw in self.reaching if not self.slots[i].av.peer_gone(raw)}
+        needed = self.needed(deep) | self.kept | {(i, self.entries[i, raw]) for i, raw in self.reaching}
         for (index, raw), fi_addr in list(self.entries.items()):
             if (index, fi_addr) in needed:
                 continue
@@ -194,8 +235,10 @@ class PeerEntries:
                 self.kept.add((index, fi_addr))
 
     def stats(self) -> dict[str, int]:
-        """Entries held (all slots together), the most one slot's vector takes, entries removed so far."""
-        return {"entries": len(self.entries), "most": min(s.av.most for s in self.slots), "removed": self.removed}
+        """Entries held (all slots together), the most one slot's vector takes, entries removed so far, and
+        those of writers reaching this engine (``reached_by``) among the held."""
+        return {"entries": len(self.entries), "most": min(s.av.most for s in self.slots), "removed": self.removed,
+                "writers_reaching": len(self.reaching)}
 
 
 class _SlotStack:

@@ -37,7 +37,7 @@ def start_landing(service: Service) -> landing.Landing:
             service.check_open()
             slot = service.nics.slots[0]
             service.landing = landing.Landing(service.provider, slot.domain_name, service.engine_id, service.native,
-                                              staging_failure, lease_s=service.timeout)
+                                              staging_failure, lease_s=service.timeout, entries=service.entries)
             service.landing.handlers[control.COPIED_IN] = service.ipc.copied_in.message  # fabriclab.ipc
         return service.landing
 

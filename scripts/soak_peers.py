@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 PAGE = 65536
-SHM_PINNED = 4 << 20  # /dev/shm memory a shm target keeps per writer engine that wrote into it (measured: 3.8 MiB)
 
 
 def _engine(args: argparse.Namespace, **options: Any) -> Any:
@@ -72,21 +71,24 @@ def _report(phase: str, done: int, started: float, before: dict[str, int], count
                       "after": _resources(), **counts, **({"failure": failure} if failure else {})}), flush=True)
 
 
-def _available() -> int:
+def _shmem_mib() -> int:
+    """The host's shared memory in use (/proc/meminfo Shmem: /dev/shm files, and unlinked ones still mapped)."""
     with open("/proc/meminfo") as meminfo:
-        return next(int(line.split()[1]) << 10 for line in meminfo if line.startswith("MemAvailable:"))
+        return next(int(line.split()[1]) >> 10 for line in meminfo if line.startswith("Shmem:"))
+
+
+def _peer_regions() -> int:
+    """The shm regions of other processes this process maps (its peers' endpoints, live or gone)."""
+    with open("/proc/self/maps") as maps:
+        return len({line.split(maxsplit=5)[5] for line in maps if "/dev/shm/" in line
+                    and not line.split(maxsplit=5)[5].startswith(f"/dev/shm/{os.getpid()}:")})
 
 
 def writers_phase(args: argparse.Namespace) -> bool:
-    """One staged target, COUNT fresh writer engines in turn (a child process). On shm the target keeps every
-    writer's region mapped (README): refused where that would take more than half the memory available."""
+    """One staged target, COUNT fresh writer engines in turn (a child process). On shm the target maps each
+    writer's region while the writer lives (README): the progress lines say how many it maps."""
     import numpy as np
     from fabriclab import bootstrap
-    if args.provider == "shm" and args.count * SHM_PINNED > _available() // 2:
-        print(f"writers: not run: on shm the target would keep about {args.count * SHM_PINNED >> 30} GiB of /dev/shm "
-              f"memory mapped ({SHM_PINNED >> 20} MiB per writer), more than half of the {_available() >> 30} GiB "
-              "available here: give a smaller --count, or --provider 'tcp;ofi_rxm' --domain lo", flush=True)
-        return False
     before, started = _resources(), time.monotonic()
     with _engine(args) as target:
         buffer = np.zeros(16 * PAGE, np.uint8)
@@ -97,18 +99,24 @@ def writers_phase(args: argparse.Namespace) -> bool:
         for line in writers.stdout:
             if line.startswith("wrote"):
                 done = int(line.split()[1])
-                staging = target.stats()["staging"]
+                stats = target.stats()
+                staging, entries = stats["staging"], stats["peer_entries"]
                 print(f"  writers: {done} ({staging['control_peers']} control peers held, "
-                      f"{staging['control_peers_removed']} removed; {_maps()} memory maps, {_shared_kib()} KiB "
-                      "of shared memory mapped)", flush=True)
+                      f"{staging['control_peers_removed']} removed; {entries['writers_reaching']} writers' NIC "
+                      f"entries held, {entries['removed']} removed; {_peer_regions()} peers' regions, {_maps()} "
+                      f"memory maps, {_shared_kib()} KiB of shared memory mapped; {_shmem_mib()} MiB of shared "
+                      "memory on the host)", flush=True)
             else:
                 failure = line.strip()
         writers.wait()
         writers.stdout.close()
         assert writers.stdin is not None
         writers.stdin.close()
-        staging = target.stats()["staging"]
-        counts = {key: staging[key] for key in ("control_peers", "control_peers_removed", "bad_control_messages")}
+        stats = target.stats()
+        counts = {key: stats["staging"][key] for key in ("control_peers", "control_peers_removed",
+                                                          "bad_control_messages")}
+        counts.update(writers_reaching=stats["peer_entries"]["writers_reaching"],
+                      entries_removed=stats["peer_entries"]["removed"], peers_regions_mapped=_peer_regions())
     _report("writers", done, started, before, counts, failure)
     return not failure and done == args.count
 

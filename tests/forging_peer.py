@@ -4,7 +4,7 @@ real control endpoint of its own (fabriclab.control.ControlChannel), to a staged
     python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE garbage
     python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE spoof WRITER_ID REGION_ID IMM DST
     python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE hog REGION_ID KEY REQUESTS
-    python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE requests COUNT REGION_ID KEY
+    python tests/forging_peer.py PROVIDER DOMAIN ADDRESS_HEX RATE requests COUNT REGION_ID KEY [NICS]
 ADDRESS_HEX is the target's control address (a staged descriptor's LandingRoute.address) as hex; RATE the
 messages sent a second. garbage: malformed messages of every kind (1 byte, truncated, unknown kinds, wrong
 lengths, fields out of range, a REQUEST with a guessed key), over and over. spoof: FILLED claiming to be
@@ -14,7 +14,9 @@ of region REGION_ID under IMM. hog: a writer holding the region's descriptor (it
 fills a lane (RATE unused); it prints "holds N" whenever the number of lanes it holds changes, "refused TEXT"
 for each transfer refused, and at SIGTERM "held N" (the most it held at once). requests: COUNT lane requests for region REGION_ID with its KEY (a descriptor's),
 each once, each naming another made-up control address (shm: a region name nobody has; tcp: a loopback port this
-process holds and never listens on). Prints "ready" once its endpoint is open, then sends until SIGTERM
+process holds and never listens on); with NICS (comma-separated hex of fi.Address bytes: someone else's), each
+from the forger's own control address instead. Each names as its NICs' addresses NICS, its control address
+and a made-up shm name. Prints "ready" once its endpoint is open, then sends until SIGTERM
 (requests: prints "sent" once all went, and waits), which ends it cleanly: its endpoint closed, so the target's
 replies to it fail instead of spinning (on shm, a send to a process SIGKILLed while it held its queue's lock
 spins for ever, stranding a thread of the tests' process)."""
@@ -43,10 +45,13 @@ def garbage(rng, mine):
         H.pack(control.FILLED, me, job)[:9],
         H.pack(99, me, job) + b"\x00" * 8,
         H.pack(0, me, job),
-        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 1, 500) + b"\x01" * 10,
-        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 0, 0),
-        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 1, 16) + rng.bytes(16),
-        H.pack(control.REQUEST, me, job) + REQUEST.pack(int(rng.integers(1, 4)), 99, 1, len(mine)) + mine,
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 1, 500, 0) + b"\x01" * 10,
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 0, 0, 0),
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 1, 16, 0) + rng.bytes(16),
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 1, len(mine), 200) + mine,
+        H.pack(control.REQUEST, me, job) + REQUEST.pack(1, 0, 1, len(mine), 2) + mine + b"\x05\x00abc",
+        H.pack(control.REQUEST, me, job) + control.request_body(1, 0, 1, mine, [b"x" * 400]),
+        H.pack(control.REQUEST, me, job) + control.request_body(int(rng.integers(1, 4)), 99, 1, mine, []),
         H.pack(control.FILLED, me, job) + FILLED.pack(1, 0, 5, 1000) + entry,
         H.pack(control.FILLED, me, job) + FILLED.pack(1, 0, 5, 0),
         H.pack(control.FILLED, me, job) + FILLED.pack(1, 0, 5, 1) + entry,
@@ -78,7 +83,7 @@ def hog(region, key, requests):
     jobs = list(range(1, requests + 1))
     mine = channel.address
     for job in jobs:
-        channel.send(target, H.pack(control.REQUEST, ME, job) + REQUEST.pack(region, key, 2 ** 32 - 1, len(mine)) + mine)
+        channel.send(target, H.pack(control.REQUEST, ME, job) + control.request_body(region, key, 2 ** 32 - 1, mine, []))
     held = dict.fromkeys(jobs, 0)  # job -> lanes it holds
     most, heartbeat = 0, 0.0
     while not stopping:
@@ -101,10 +106,13 @@ def hog(region, key, requests):
     print(f"held {most}", flush=True)
 
 
-def made_up(count, region, key, mine):
-    """REQUESTs for ``region`` with ``key``, each from a made-up control address like ``mine`` (the forger's)."""
+def made_up(count, region, key, mine, nics=()):
+    """REQUESTs for ``region`` with ``key``, each from a made-up control address like ``mine`` (the forger's),
+    or with ``nics`` from ``mine``; each names ``nics``, its control address and a made-up shm name as its NICs'."""
     own = fi.Address.from_bytes(mine)
-    if own.provider == "shm":
+    if nics:
+        raws = [own.raw] * count
+    elif own.provider == "shm":
         raws = [f"fi_shm://made-up-{i}".encode() + b"\0" for i in range(count)]
     else:
         for _ in range(count):  # bound, never listening: a connection to it is refused at once
@@ -112,7 +120,8 @@ def made_up(count, region, key, mine):
             held[-1].bind(("127.0.0.1", 0))
         raws = [own.raw[:2] + struct.pack(">H", s.getsockname()[1]) + own.raw[4:] for s in held]
     addresses = [fi.Address(own.provider, own.addr_format, raw).to_bytes() for raw in raws]
-    return [H.pack(control.REQUEST, ME + 2 * i, 1 + i) + REQUEST.pack(region, key, 1, len(a)) + a
+    nowhere = fi.Address(own.provider, own.addr_format, b"fi_shm://made-up-nic\0").to_bytes()  # (shm's format)
+    return [H.pack(control.REQUEST, ME + 2 * i, 1 + i) + control.request_body(region, key, 1, a, [*nics, a, nowhere])
             for i, a in enumerate(addresses)]
 
 
@@ -128,7 +137,8 @@ if mode == "hog":
     channel.close()
     sys.exit(0)
 if mode == "requests":
-    messages = made_up(*(int(x) for x in sys.argv[6:9]), channel.address)
+    messages = made_up(*(int(x) for x in sys.argv[6:9]), channel.address,
+                       [bytes.fromhex(h) for h in sys.argv[9].split(",")] if len(sys.argv) > 9 else ())
 else:
     messages = garbage(rng, channel.address) if mode == "garbage" else spoofed(*(int(x) for x in sys.argv[6:10]))
 print("ready", flush=True)

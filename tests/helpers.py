@@ -194,6 +194,43 @@ def regions_of(pid: int) -> list[str]:
     return glob.glob(f"/dev/shm/{pid}:*")
 
 
+SHM_LOCK_AT = 24  # struct smr_region (libfabric 1.17/1.18): version, flags, pid, caps, base_addr, then the spinlock
+
+
+def shm_locks_held(pids: Sequence[int]) -> bool:
+    """Whether a spinlock of any shm region of processes ``pids`` is held (the word is not 0)."""
+    for path in [path for pid in pids for path in regions_of(pid)]:
+        try:
+            with open(path, "rb") as region:
+                word = region.read(SHM_LOCK_AT + 4)[SHM_LOCK_AT:]
+        except OSError:
+            continue
+        if len(word) == 4 and word != bytes(4):
+            return True
+    return False
+
+
+def kill_outside_shm_locks(proc: subprocess.Popen[str] | subprocess.Popen[bytes], others: Sequence[int]) -> None:
+    """SIGKILL ``proc`` at an instant when it holds no shm spinlock: of its own regions, or of the regions of
+    ``others`` (its peers). libfabric 1.17's shm never recovers a lock whose holder died (every later send to
+    that queue spins for good: README says so), which no library above it can undo; a test of what a killed
+    peer leaves behind otherwise fails the rare time the kill lands inside the provider's few locked
+    instructions. Stopped, a process holds what it held: looked at then, and resumed for a moment if it holds
+    one."""
+    for _ in range(1000):
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            with open(f"/proc/{proc.pid}/stat") as stat:  # wait until it is stopped
+                while stat.read().split(") ")[-1][:1] not in ("T", "Z", "X"):
+                    stat.seek(0)
+        except OSError:
+            break
+        if not shm_locks_held([proc.pid, *others]):
+            break
+        proc.send_signal(signal.SIGCONT)
+    proc.kill()
+
+
 def namespaces() -> list[str]:
     """Every network namespace ``ip netns`` lists."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout

@@ -18,7 +18,7 @@ import pytest
 from fabriclab import TransferError, TransferTimeout, bootstrap, control, landing_target
 from fabriclab.errors import StagingFailed
 from fabriclab.wire import decode_region, seal as _seal, unseal as _unseal
-from helpers import LINE_TIMEOUT, Child, PeerProcess, python
+from helpers import LINE_TIMEOUT, Child, PeerProcess, kill_outside_shm_locks, python
 from test_staging import PAGE, WRITER, staged_target, writer_engine
 
 FORGER = os.path.join(os.path.dirname(__file__), "forging_peer.py")
@@ -187,8 +187,8 @@ def test_a_killed_writer_never_starves_the_next_one(fabric):
     SIGKILLed: its request stayed first in the queue and took every lane its expired leases gave back, so
     writer B's one page waited past its deadline. Now a writer that stops speaking loses its requests and
     lanes within seconds, far inside the target's lease (30 s here), and B lands. The target is a process of
-    its own: on shm, a send to A can spin for ever in the provider (A died holding its region's lock), and
-    that thread must be left behind, as must the process it is in."""
+    its own. A is killed outside shm's locks (helpers.kill_outside_shm_locks): one killed inside them wedges
+    the queue it held for good (libfabric 1.17), a limit of the provider this test does not measure."""
     target = PeerProcess(fabric, 200 * PAGE, "--staged-host", "--small-pool")
     try:
         packed = bootstrap.pack(target.address, target.descriptor).hex()
@@ -197,7 +197,7 @@ def test_a_killed_writer_never_starves_the_next_one(fabric):
         try:
             assert target.ask("expect 4 2 30").startswith("landed 2 ")  # its first lane landed; it holds the rest
         finally:
-            greedy.kill()  # SIGKILL: the writer that stops speaking mid-transfer
+            kill_outside_shm_locks(greedy, [target.proc.pid])  # SIGKILL: the writer that stops speaking mid-transfer
             greedy.wait(10)
         with writer_engine(fabric, timeout=10) as survivor:
             assert honest_write(survivor, target.descriptor, target.address, 5, [199], imm=5, timeout=10).pages == 1

@@ -153,6 +153,20 @@ class AddressVector(Resource):
         self._shm = domain.info.provider == "shm"
         self._endpoint_names: list[bytes] = []  # of the endpoints bound to it (shm keeps a handshake in each)
 
+    @property
+    def maps_peers(self) -> bool:
+        """Whether the provider keeps state of its own for every peer that sends to an endpoint of this vector,
+        inserted or not, and frees it only at fi_av_remove: shm gives the peer one of ``most`` slots and maps
+        its region (~4 MiB of /dev/shm memory, held even once the peer's process is gone). An owner that peers
+        come and go to should insert them, as it learns their addresses, and remove each once ``peer_gone``."""
+        return self._shm
+
+    def peer_gone(self, raw: bytes) -> bool:
+        """Whether the endpoint behind an address is proven gone, so that it sends nothing more: on shm, no
+        region of that name is left in /dev/shm (closed, or its process's regions reclaimed). False where that
+        cannot be told."""
+        return self._shm and not _smr.region_exists(raw)
+
     def bound(self, endpoint_name: bytes) -> None:
         """An endpoint named ``endpoint_name`` was bound to this address vector (fabriclab.fi.Endpoint)."""
         self._endpoint_names.append(endpoint_name)
