@@ -166,8 +166,8 @@ def test_the_tour_runs_a_lesson_without_the_kernels_transport_warning(tmp_path, 
 # ---- lessons 09-16: checked facts, predictions, chapters on the model, the model in Python
 
 def test_fact_and_check_print_what_held_and_refuse_what_is_no_number(capsys):
-    assert lesson.fact("two is more than one", 2 > 1, "none") is True
-    assert lesson.fact("one is more than two", 1 > 2, "none") is False
+    lesson.fact("two is more than one", 2 > 1, "none")
+    lesson.fact("one is more than two", 1 > 2, "none")
     lesson.not_shown("a gain", "1 core here")
     out = capsys.readouterr().out.splitlines()
     assert out == ["holds: two is more than one [tolerance: none]", "DOES NOT HOLD: one is more than two [tolerance: none]",

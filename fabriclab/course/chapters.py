@@ -426,10 +426,10 @@ def box(provider: str | None = None) -> str:
     return where + (f", provider {provider}" + (" (modeled)" if provider == MODEL else "") if provider else "")
 
 
-def fact(claim: str, holds: bool, tolerance: str) -> bool:
-    """Print a measured relation as a checked fact: what is claimed, within what tolerance, and whether it held."""
+def fact(claim: str, holds: bool, tolerance: str) -> None:
+    """Print a measured relation as a checked fact: what is claimed, within what tolerance, and whether it held
+    (nbval compares the line; nothing is returned, so a cell ending in a fact echoes no stray ``True``)."""
     print(f"{'holds' if holds else 'DOES NOT HOLD'}: {claim} [tolerance: {tolerance}]")
-    return holds
 
 
 def not_shown(claim: str, why: str) -> None:
