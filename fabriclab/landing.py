@@ -97,7 +97,10 @@ class Landing:
         self.wake = threading.Event()  # something for the thread to do: a job, its writes done, a lane copied
         self.target = LandingTarget(self.channel, engine_id, native, self.lock, self._count_peer, lease_s, self.wake,
                                     entries.reached_by)
-        nic_addresses = [slot.ep.address().to_bytes() for slot in entries.slots][:control.NIC_ADDRESSES]
+        # a REQUEST names this engine's NICs only where the provider keeps state for each peer that writes (its
+        # targets run the same provider): they enter them (PeerEntries.reached_by)
+        nic_addresses = [slot.ep.address().to_bytes() for slot in entries.slots
+                         if slot.av.maps_peers][:control.NIC_ADDRESSES]
         self.writer = LandingWriter(self.channel, engine_id, self._count_peer, failure_type, self.wake, nic_addresses)
         self.channel.in_use = lambda: self.target.dests() | self.writer.dests()
         self.handlers: dict[int, Callable[..., None]] = {
@@ -199,7 +202,7 @@ class Landing:
                 control.log.exception("the landing thread hit an error; it goes on")
                 busy = False
             now = time.monotonic()
-            if now - self.tidied > control.QUIET_S:  # entries of writers whose endpoints are gone go
+            if self.entries.reaching and now - self.tidied > control.QUIET_S:  # writers' entries, once gone, go
                 self.tidied = now
                 self.entries.trim()
             if busy:

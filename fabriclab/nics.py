@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -161,6 +162,7 @@ class PeerEntries:
     read an unmapped region. A target serving writers that come and go thus keeps only the live ones'."""
 
     REACHED_ROOM = 16  # entries of a vector never taken by writers reaching this engine: kept for its own Peers
+    RECLAIM_S = 3.0    # a full vector reclaims killed writers' regions (a scan of /dev/shm and /proc) this seldom
 
     def __init__(self, slots: list[NicSlot], needed: Callable[[bool], set[tuple[int, int]]], advice: str) -> None:
         self.slots, self.needed, self.advice = slots, needed, advice
@@ -168,19 +170,25 @@ class PeerEntries:
         self.kept: set[tuple[int, int]] = set()  # never removed: shm could not reuse the slot safely
         self.reaching: set[tuple[int, bytes]] = set()  # (slot, raw address) of writers reaching this engine
         self.removed = 0
+        self.reclaimed = 0.0  # when a full vector last reclaimed killed writers' regions
         self.lock = threading.Lock()
 
     def reached_by(self, addresses: list[bytes]) -> None:
         """A writer that writes into this engine through NICs at ``addresses`` (each an fi.Address's bytes,
         untrusted): entered in the vectors that keep state for such peers, while there is room. Addresses
         that fit no slot, or name no endpoint, are left out (the writer's own writes then say what is wrong)."""
+        peers = []
+        for data in addresses:
+            try:
+                peers.append(fi.Address.from_bytes(data))
+            except fi.FabriclabError:
+                continue
         with self.lock:
             for slot in self.slots:
                 if not slot.av.maps_peers:
                     continue
-                for data in addresses:
+                for address in peers:
                     try:
-                        address = fi.Address.from_bytes(data)
                         address.check_compatible(slot.info)
                     except fi.FabriclabError:
                         continue
@@ -221,7 +229,8 @@ class PeerEntries:
             self._trim(False)
 
     def _trim(self, deep: bool) -> None:
-        if deep and self.reaching:
+        if deep and self.reaching and time.monotonic() - self.reclaimed > self.RECLAIM_S:
+            self.reclaimed = time.monotonic()
             shmclean.reclaim_stale_shm_regions()  # killed writers' regions: gone once reclaimed
         self.reaching = {(i, raw) for i, raw in self.reaching if not self.slots[i].av.peer_gone(raw)}
         needed = self.needed(deep) | self.kept | {(i, self.entries[i, raw]) for i, raw in self.reaching}

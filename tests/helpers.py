@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import IO
 
@@ -219,9 +220,10 @@ def kill_outside_shm_locks(proc: subprocess.Popen[str] | subprocess.Popen[bytes]
     one."""
     for _ in range(1000):
         proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 1.0
         try:
-            with open(f"/proc/{proc.pid}/stat") as stat:  # wait until it is stopped
-                while stat.read().split(") ")[-1][:1] not in ("T", "Z", "X"):
+            with open(f"/proc/{proc.pid}/stat") as stat:  # wait until it is stopped (1 s at most)
+                while stat.read().split(") ")[-1][:1] not in ("T", "Z", "X") and time.monotonic() < deadline:
                     stat.seek(0)
         except OSError:
             break
