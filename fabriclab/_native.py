@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -388,12 +388,20 @@ class NativeEngine:
 @dataclass(frozen=True)
 class RunFigures:
     """What one write run measured: its timed writes and bytes over ``elapsed_s`` (the warm-up left out), and
-    how many of its writes carried immediate data (each NIC's last, or all in the checking mode)."""
+    how many of its writes carried immediate data (each NIC's last, or all in the checking mode). ``model``:
+    on the modeled host (the sim provider in modeled time), what it charged the run's threads (MODEL_COUNTS,
+    summed over them; native/sim/fi_sim_ext.h), and ``elapsed_s`` is then modeled time; else empty."""
 
     writes: int
     bytes: int
     elapsed_s: float
     marked: int
+    model: dict = field(default_factory=dict)
+
+
+#: struct fi_sim_counts' fields (native/sim/fi_sim_ext.h): what the modeled host charged a run's threads.
+MODEL_COUNTS = ("posts", "doorbells", "futile_posts", "cq_reads", "empty_reads", "entries", "far_accesses",
+                "line_moves", "migrations", "app_ns", "provider_ns", "host_ns", "idle_ns")
 
 
 #: fl_run_config's fields (native/course.h) that a stage's switches and sizes set.
@@ -403,11 +411,12 @@ RUN_FIELDS = ("threads", "groups", "warmup", "pin", "shard", "pad", "batch", "la
 
 class RunConfig:
     """One write run's fl_run_config (native/course.h), checked: ``fields`` sets every name of RUN_FIELDS (a
-    stage's switches and sizes), ``cores`` the core of each thread where ``fields["pin"]``."""
+    stage's switches and sizes), ``cores`` the core of each thread where ``fields["pin"]``, ``model_cores``
+    its core on the modeled host (the sim provider's p5) then."""
 
     __slots__ = ("_c", "threads", "groups")
 
-    def __init__(self, fields: dict, cores: list[int]):
+    def __init__(self, fields: dict, cores: list[int], model_cores: list[int] = ()):
         missing = set(RUN_FIELDS) - set(fields)
         if missing:
             raise fi.UsageError(f"a write run needs {sorted(missing)}")
@@ -418,6 +427,8 @@ class RunConfig:
             setattr(self._c, key, fields[key])
         for i, core in enumerate(cores[:MAX_THREADS]):
             self._c.cores[i] = core
+        for i in range(MAX_THREADS):
+            self._c.model_cores[i] = model_cores[i] if i < len(model_cores) else -1
         self.threads, self.groups = int(fields["threads"]), int(fields["groups"])
 
 
@@ -426,7 +437,8 @@ def write_run(engine: NativeEngine, config: RunConfig, tick: Callable[[], None] 
     ends (Ctrl-C stops it); raises FabricError when it failed. ``tick``: see :meth:`NativeEngine.run`."""
     engine.run(lib.fl_write_run, config._c, timeout=config._c.timeout_s, tick=tick)
     c = engine._ptr.course
-    return RunFigures(int(c.timed_writes), int(c.timed_bytes), float(c.elapsed_s), int(c.marked_writes))
+    model = {name: int(getattr(c.model, name)) for name in MODEL_COUNTS} if c.modeled else {}
+    return RunFigures(int(c.timed_writes), int(c.timed_bytes), float(c.elapsed_s), int(c.marked_writes), model)
 
 
 class NativeTarget:

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import bidirectional, cli, fi, memory, opqueue, rdma_write
 from ._native import MAX_NICS, WORKER_EXIT_TIMEOUT, NativeEngine, NativeTarget, RunConfig, write_run
-from .nics import NicGroups, NicSet, discover_topology, group_nics, release_nics, worker_cores
+from .nics import NicGroups, NicSet, article_cores, discover_topology, group_nics, release_nics, worker_cores
 from .rdma_write import PagePlan, Report, Writer, WriteStats
 
 PREPARE_NICS, REGIONS = 10, 11
@@ -217,6 +217,7 @@ class EngineStats(WriteStats):
     threads: int = 1
     groups: int = 1
     per_nic: list = field(default_factory=list)
+    model: dict = field(default_factory=dict)  # the modeled host's counts (RunFigures.model), else empty
 
 
 class MultiNicWriter(Writer):
@@ -317,8 +318,9 @@ class MultiNicWriter(Writer):
         sizes = {"total_writes": writes, "page_size": self.plan.page_size, "buffer_bytes": self.plan.buffer_bytes,
                  "local_base": (staging or self.source).pointer, "timeout_s": self.timeout,
                  "link_timeout_s": self.link_timeout}
-        cores = self.worker_cores(switches["threads"]) if switches["pin"] else []
-        return RunConfig({**switches, **sizes}, cores)
+        threads = switches["threads"]
+        cores = self.worker_cores(threads) if switches["pin"] else []
+        return RunConfig({**switches, **sizes}, cores, article_cores(threads) if switches["pin"] else [])
 
     def worker_cores(self, threads: int) -> list[int]:
         return worker_cores(threads, self.stack.info.provider, self.cores, self.nic_groups)
@@ -359,7 +361,7 @@ class MultiNicWriter(Writer):
         return EngineStats(run.writes, run.bytes, run.elapsed_s, cpu,
                            sum(int(self.engine.nic(i).eagain) for i in range(len(self.nicset.slots))),
                            nics=len(self.nicset.slots), emulated_nics=self.nicset.emulated, threads=cfg.threads,
-                           groups=cfg.groups, per_nic=self.engine.counters())
+                           groups=cfg.groups, per_nic=self.engine.counters(), model=run.model)
 
     def run_summary(self) -> dict:
         """What the target must see land: the run's writes, and the marked last writes among them."""

@@ -453,12 +453,52 @@ def topology_groups_holding(domains: list[str], topology: Topology | None) -> in
 
 def discover_topology(provider: str) -> Topology | None:
     """fabriclab.topology's view of this host for ``provider``'s NICs, or None when it cannot tell
-    (topology is advice: grouping then falls back to index order)."""
+    (topology is advice: grouping then falls back to index order). The modeled host's is the recorded p5's,
+    its NICs renamed to the sim provider's (modeled_topology)."""
     from . import topology
+    if modeled_host(provider):
+        return modeled_topology(provider)
     try:
         return topology.Topology.discover(provider=provider)
     except Exception:  # sysfs or cuda-python missing or odd: advice only, never fatal
         return None
+
+
+def modeled_topology(provider: str) -> Topology:
+    """The modeled host (the sim provider, docs/model.md) is the recorded p5: its NIC i is the p5's NIC i in
+    GPU order (4 per GPU: NICs 0-15 on socket 0, 16-31 on socket 1), whatever the sim names it."""
+    from .topology import Topology
+
+    p5 = Topology.load("p5.48xlarge").to_dict()
+    recorded = [nic for group in p5["groups"] for nic in group["nics"]]
+    rename = dict(zip(recorded, (info.domain for info in fi.domains(provider))))
+    p5["nics"] = [dict(n, domain=rename[n["domain"]], provider=provider) for n in p5["nics"] if n["domain"] in rename]
+    p5["groups"] = [dict(g, nics=[rename[d] for d in g["nics"] if d in rename]) for g in p5["groups"]]
+    p5["provider"] = provider
+    return Topology.from_dict(p5)
+
+
+def modeled_host(provider: str | None) -> bool:
+    """Whether ``provider`` runs on the modeled p5 host: the sim provider in modeled time (docs/model.md),
+    where a run's time is each thread's own CPU time plus the p5's modeled costs, so that this machine's
+    cores bound neither the threads nor the figures (FABRICLAB_SIM_TIME=wall turns it off)."""
+    return (provider or "").split(";")[0] == "sim" and os.environ.get("FABRICLAB_SIM_TIME", "modeled") != "wall"
+
+
+def article_cores(threads: int) -> list[int]:
+    """Where chapter 12 pins thread t on the recorded p5: the core chapter 8 prefers for GPU group t % 8, the
+    middle one (cpus[6]) of the 12 physical cores each GPU takes, in GPU order, from its NUMA node (6, 18,
+    ..., 90). The modeled host (the sim provider) puts a pinned thread there."""
+    from .topology import Topology  # the recorded layouts are read only when a pinned run asks
+
+    p5 = Topology.load("p5.48xlarge")
+    preferred, seen = [], {}
+    for group in sorted(p5.groups, key=lambda g: g.gpu):
+        node = sorted(p5.numa_node(group.numa_node).cores)
+        share = len(node) // sum(1 for g in p5.groups if g.numa_node == group.numa_node)
+        k = seen[group.numa_node] = seen.get(group.numa_node, -1) + 1
+        preferred.append(node[k * share + share // 2])
+    return [preferred[t % len(preferred)] for t in range(threads)]
 
 
 def worker_cores(threads: int, provider: str, cores: list[int] | None = None,
@@ -482,6 +522,8 @@ def worker_cores(threads: int, provider: str, cores: list[int] | None = None,
                 own = groups.cores[t] if t < groups.count else ()
                 proposed.append(next((c for c in [*own, *spare] if c in allowed and c not in proposed)))
         cores = proposed + [c for c in spare if c not in proposed]
+    if threads > len(cores) and modeled_host(provider):  # the modeled host pins them there (article_cores)
+        cores = [cores[t % len(cores)] for t in range(threads)]
     if threads > len(cores):
         raise fi.UsageError(f"{threads} pinned threads need as many cores, but only {len(cores)} are available "
                             f"({', '.join(map(str, cores))}); use fewer threads")

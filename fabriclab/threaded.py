@@ -15,7 +15,7 @@ import argparse
 import os
 from typing import Any
 
-from . import cli, fi, multi_nic
+from . import cli, fi, multi_nic, nics
 from ._native import MAX_THREADS
 from .multi_nic import MultiNicWriter
 
@@ -26,12 +26,19 @@ TARGET_THREADS = 1
 ARTICLE_THREADS = 8
 
 
-def writer_threads(groups: int | None = None) -> tuple[int, str]:
+def writer_threads(groups: int | None = None, provider: str | None = None) -> tuple[int, str]:
     """How many writer threads drive ``groups`` GPU groups (None: as many groups as fit, at most the
     article's 8) so that they and the target's thread never outnumber the cores this process may use
     (os.sched_getaffinity; the course's target runs on this host, and each of these threads polls without
-    rest): a thread per group while the cores last, then groups share threads. Returns (threads, why)."""
+    rest): a thread per group while the cores last, then groups share threads. On the modeled host
+    (``provider`` sim, nics.modeled_host) a thread per group, the article's 8 by default, whatever the
+    cores here: its time is each thread's own CPU time. Returns (threads, why)."""
     cores = len(os.sched_getaffinity(0))
+    if nics.modeled_host(provider):
+        groups = ARTICLE_THREADS if groups is None else groups
+        return groups, (f"{groups} writer thread(s) for {groups} GPU group(s) + {TARGET_THREADS} target thread on "
+                        f"the modeled p5 (modeled time: each thread's own CPU time, so the {cores} core(s) here "
+                        "bound neither the threads nor the figures)")
     room = max(1, cores - TARGET_THREADS)
     groups = min(room, ARTICLE_THREADS) if groups is None else groups
     threads = min(groups, room)
@@ -57,13 +64,14 @@ class ThreadedWriter(MultiNicWriter):
                  pad: bool = True, **kw: Any) -> None:
         if threads <= 0:
             raise fi.UsageError(f"threads must be at least 1, got {threads}")
-        if threads > (os.cpu_count() or 1):
+        provider = stack.info.provider
+        if threads > (os.cpu_count() or 1) and not nics.modeled_host(provider):
             raise fi.UsageError(f"{threads} threads is more than this machine's {os.cpu_count()} cores")
         kw.setdefault("groups", threads)
         if kw["groups"] < threads:
             raise fi.UsageError(f"{threads} threads need at least as many GPU groups to drive, got {kw['groups']}")
         super().__init__(stack, server_address, timeout, **kw)
-        fit, why = writer_threads(self.groups)
+        fit, why = writer_threads(self.groups, provider)
         self.sizing = why if fit == threads else (
             f"{threads} writer thread(s) for {self.groups} GPU group(s), as asked, + {TARGET_THREADS} target thread "
             f"on the {len(os.sched_getaffinity(0))} core(s) this process may use")
@@ -73,10 +81,12 @@ class ThreadedWriter(MultiNicWriter):
     def options_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
         """Chapters 9-10's options with --threads as the number of GPU groups, driven by as many threads as
         fit beside the target's (writer_threads), plus this stage's own."""
-        if args.groups not in (1, args.threads):  # 1: --groups' default, i.e. not given
-            raise fi.UsageError(f"--groups {args.groups} with --threads {args.threads}: from chapter 11 on every "
+        provider = args.provider or fi.default_provider()
+        groups = args.threads if args.threads is not None else writer_threads(None, provider)[0]
+        if args.groups not in (1, groups):  # 1: --groups' default, i.e. not given
+            raise fi.UsageError(f"--groups {args.groups} with --threads {groups}: from chapter 11 on every "
                                 "GPU group has a thread of its own, so --threads sets the groups; drop --groups")
-        return {**super().options_from_args(args), "groups": args.threads, "threads": writer_threads(args.threads)[0],
+        return {**super().options_from_args(args), "groups": groups, "threads": writer_threads(groups, provider)[0],
                 "pin": args.pin, "shard": args.shard, "pad": args.pad}
 
     def switches(self) -> dict[str, Any]:
@@ -88,11 +98,11 @@ def add_thread_options(parser: argparse.ArgumentParser) -> None:
     """Chapters 9-10's options plus the worker threads' (chapters 11-13)."""
     multi_nic.add_engine_options(parser)
     options = parser.add_argument_group("threads (chapters 11-13 on)")
-    options.add_argument("--threads", default=writer_threads()[0],
-                         type=cli.count("threads", lambda: min(os.cpu_count() or 1, MAX_THREADS),
-                                        "at most one per core of this machine: a worker thread polls without rest"),
+    options.add_argument("--threads", default=None,
+                         type=cli.count("threads", MAX_THREADS, "the engine's limit"),
                          help="GPU groups, each with a worker thread while the cores last: writer threads and the "
-                              "target's never outnumber the cores this process may use (default %(default)s here)")
+                              f"target's never outnumber the cores this process may use (default: {writer_threads()[0]} "
+                              f"here; on the modeled p5, --provider sim, the article's {ARTICLE_THREADS})")
     options.add_argument("--no-pin", dest="pin", action="store_false", help="chapter 11: let the OS place threads")
     options.add_argument("--no-shard", dest="shard", action="store_false",
                          help="chapters 11-12: shared atomic counters")

@@ -60,14 +60,20 @@ int flc_prepare_slots(fl_engine *e) {
     return 0;
 }
 
+/* A modeled host (the sim provider) charges each access to a line other threads write as that line's move
+ * from another core: it is told which line. */
 static inline void count_post(thread_ctx *t) {
+    if (t->host) t->host->access_begin();
     if (t->shard) (*t->my_posted)++;
     else atomic_fetch_add_explicit(&t->st->shared_posted, 1, memory_order_relaxed);
+    if (t->host) t->host->access_end(t->shard ? (const volatile void *)t->my_posted : &t->st->shared_posted);
 }
 
 static inline void count_finished(thread_ctx *t) {
+    if (t->host) t->host->access_begin();
     if (t->shard) (*t->my_finished)++;
     else atomic_fetch_add_explicit(&t->st->shared_finished, 1, memory_order_relaxed);
+    if (t->host) t->host->access_end(t->shard ? (const volatile void *)t->my_finished : &t->st->shared_finished);
 }
 
 static void flc_free_flush_slot(fl_nic *n, nic_state *ns, op_slot *slot) {

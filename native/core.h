@@ -11,6 +11,8 @@
 #include <rdma/fabric.h>
 #include <rdma/fi_domain.h>
 
+#include "sim/fi_sim_ext.h"
+
 #define FL_MAX_THREADS 256
 #define FL_MAX_NICS 1024
 #define FL_ERROR_LEN 512
@@ -91,8 +93,11 @@ typedef struct fl_nic {
 /* The course's part of an engine (course.c): the last write run's figures, what its target counts, and
  * the staging of GPU memory through a pinned host copy. */
 typedef struct fl_course_data {
-    double elapsed_s;                  /* timed part of the last run */
+    double elapsed_s;                  /* timed part of the last run: the longest of its threads' (each on the
+                                        * provider's modeled clock where it offers one, else the wall clock) */
     uint64_t timed_writes, timed_bytes;
+    int modeled;                       /* elapsed_s is modeled time (the sim provider's host, fi_sim_ext.h) */
+    struct fi_sim_counts model;        /* what the modeled host charged the run's threads, summed */
     uint64_t marked_writes;            /* writes of the last run that carried immediate data
                                         * (fl_run_config.mark_last) */
     /* target side */

@@ -97,13 +97,17 @@ typedef struct { volatile uint64_t posted, finished; char pad[48]; } __attribute
 
 typedef struct engine_state {
     nic_state *nics;
-    /* chapters 11-12: every thread updates these */
-    _Atomic uint64_t shared_posted, shared_finished;
+    /* chapters 11-12: every thread updates these, on a line of their own (the pointer above is read at every
+     * post and poll: sharing their line would make each of those a miss too) */
+    _Alignas(64) _Atomic uint64_t shared_posted;
+    _Atomic uint64_t shared_finished;
+    char shared_pad[48];
     packed_shard packed[FL_MAX_THREADS];
     padded_shard padded[FL_MAX_THREADS];
     _Atomic int finished_threads;
     pthread_barrier_t start_line;
-    uint64_t start_ns[FL_MAX_THREADS], end_ns[FL_MAX_THREADS];
+    uint64_t start_ns[FL_MAX_THREADS], end_ns[FL_MAX_THREADS]; /* each thread's own clock (course.c) */
+    struct fi_sim_counts model[FL_MAX_THREADS];
     uint64_t timed_bytes[FL_MAX_THREADS];
     /* service mode */
     int service_threads;
@@ -162,6 +166,7 @@ typedef struct thread_ctx {
     double link_timeout_s; /* no completion on a NIC with work for this long: its link stalled (0: never) */
     uint64_t warmup_from; /* timed runs: writes numbered from here on are warm-up writes, not counted */
     volatile uint64_t *my_posted, *my_finished;
+    const struct fi_sim_host_ops *host; /* the provider's modeled host, told of the counters' lines (or NULL) */
     uint64_t last_progress_ns, timeout_ns;
     uint64_t now_ns; /* the clock, read once per pass or wait-loop turn (flc_tick): completion and posting
                       * times are for link timeouts of a second or more, and reading the clock at every

@@ -27,8 +27,15 @@ static int stage_page(fl_engine *e, uint64_t dst_base, uint64_t src_base, uint64
 /* Chapters 11-12 ask the shared counter; from chapter 13 each thread only looks at its own work. */
 static inline int done(thread_ctx *t) {
     if (t->cfg->shard) return t->remaining == 0;
-    return atomic_load_explicit(&t->st->shared_finished, memory_order_relaxed) >= t->cfg->total_writes;
+    if (!t->host) return atomic_load_explicit(&t->st->shared_finished, memory_order_relaxed) >= t->cfg->total_writes;
+    t->host->access_begin();
+    uint64_t finished = atomic_load_explicit(&t->st->shared_finished, memory_order_relaxed);
+    t->host->access_end(&t->st->shared_finished);
+    return finished >= t->cfg->total_writes;
 }
+
+/* The thread's clock for the timed run: the modeled host's where the provider has one. */
+static inline uint64_t run_clock(thread_ctx *t) { return t->host ? t->host->now_ns() : fl_now_ns(); }
 
 static int requeue_spilled(thread_ctx *t) {
     size_t waiting = t->spill_len;
@@ -92,20 +99,22 @@ static void *writer_thread(void *arg) {
     const fl_run_config *cfg = t->cfg;
     engine_state *st = t->st;
     pthread_setname_np(pthread_self(), "fl-writer"); /* lesson 12 finds its threads under /proc by this name */
-    if (cfg->pin) {
+    if (cfg->pin && !t->host) { /* on a modeled host the model places it (below): this box's cores count for nothing */
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(cfg->cores[t->id], &set);
         int rc = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
         if (rc) flc_fail(e, -rc, "thread %d: cannot pin to core %d: %s", t->id, cfg->cores[t->id], strerror(rc));
     }
+    if (t->host) t->host->place(cfg->pin ? cfg->model_cores[t->id] : -1 - t->id);
     if (staging_thread_setup(e)) __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
     if (!stopping(e) && cfg->warmup && warm_up(t) < 0) __atomic_store_n(&e->stop, 1, __ATOMIC_RELAXED);
     pthread_barrier_wait(&st->start_line);
     t->timed = 1;
-    st->start_ns[t->id] = flc_tick(t);
-    t->last_progress_ns = st->start_ns[t->id];
-    uint64_t passes = 0;
+    if (t->host) t->host->reset();
+    st->start_ns[t->id] = run_clock(t);
+    t->last_progress_ns = flc_tick(t);
+    uint64_t passes = 0, finished_ns = 0;
     while (!stopping(e) && !done(t)) {
         int progressed = 0;
         flc_tick(t);
@@ -143,6 +152,10 @@ static void *writer_thread(void *arg) {
                     if (link_stalled(t, t->groups[i].nics[k], now) && check_link(t, t->groups[i].nics[k]) < 0)
                         goto out;
         }
+        if (!finished_ns && !t->remaining) { /* its last write completed: its part of the run is over */
+            finished_ns = run_clock(t);
+            if (t->host) t->host->counts(&st->model[t->id]);
+        }
         if (progressed) {
             passes++;
             t->last_progress_ns = t->now_ns;
@@ -160,7 +173,10 @@ static void *writer_thread(void *arg) {
 out:
     free(t->spill);
     t->spill = NULL;
-    st->end_ns[t->id] = fl_now_ns();
+    /* a thread whose writes are all done may go on polling until every thread's are (chapters 11-12 ask the
+     * shared counter): that is no part of the run */
+    st->end_ns[t->id] = finished_ns ? finished_ns : run_clock(t);
+    if (t->host && !finished_ns) t->host->counts(&st->model[t->id]);
     st->timed_bytes[t->id] = t->timed_bytes;
     atomic_fetch_add(&st->finished_threads, 1);
     return NULL;
@@ -239,8 +255,13 @@ int fl_write_run(fl_engine *e, const fl_run_config *cfg) {
     }
     free(groups);
     pthread_barrier_init(&st->start_line, NULL, T);
+    /* the provider's modeled host, if it has one: its clock times the run, and it is told of shared lines */
+    const struct fi_sim_host_ops *host = NULL;
+    if (fi_open_ops(&e->nics[0].cq->fid, FI_SIM_HOST_OPS, 0, (void **)&host, NULL) != 0) host = NULL;
+    memset(st->model, 0, sizeof(st->model[0]) * (size_t)T);
     for (int t = 0; t < T; t++) {
         ctx[t].e = e;
+        ctx[t].host = host;
         flc_run_posting(&ctx[t], cfg);
         ctx[t].st = st;
         ctx[t].id = t;
@@ -263,15 +284,21 @@ int fl_write_run(fl_engine *e, const fl_run_config *cfg) {
     }
     for (int t = 0; t < started; t++) pthread_join(tids[t], NULL);
     pthread_barrier_destroy(&st->start_line);
-    uint64_t first = UINT64_MAX, last = 0, bytes = 0, writes = 0;
+    /* the run lasts as long as its longest thread: each thread's clock is its own on a modeled host */
+    uint64_t longest = 0, bytes = 0, writes = 0;
+    memset(&e->course.model, 0, sizeof e->course.model);
     for (int t = 0; t < started; t++) {
-        if (st->start_ns[t] < first) first = st->start_ns[t];
-        if (st->end_ns[t] > last) last = st->end_ns[t];
+        if (st->end_ns[t] > st->start_ns[t] && st->end_ns[t] - st->start_ns[t] > longest)
+            longest = st->end_ns[t] - st->start_ns[t];
         bytes += st->timed_bytes[t];
+        uint64_t *sum = (uint64_t *)&e->course.model;
+        const uint64_t *mine = (const uint64_t *)&st->model[t];
+        for (size_t k = 0; k < sizeof e->course.model / sizeof(uint64_t); k++) sum[k] += mine[k];
     }
+    e->course.modeled = host != NULL;
     for (int t = 0; t < T; t++)
         for (int g = 0; g < ctx[t].ngroups; g++) writes += ctx[t].groups[g].completed;
-    e->course.elapsed_s = last > first ? (double)(last - first) / 1e9 : 0.0;
+    e->course.elapsed_s = (double)longest / 1e9;
     e->course.timed_bytes = bytes;
     e->course.timed_writes = writes;
     free(regrouped);

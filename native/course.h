@@ -20,6 +20,7 @@ typedef struct fl_run_config {
                              * (course.c says why); 0 = every write carries its sequence number, the
                              * checking mode a counting target needs */
     int cores[FL_MAX_THREADS];
+    int model_cores[FL_MAX_THREADS]; /* with pin, on the modeled host (the sim provider): thread t's core there */
     uint64_t total_writes;  /* timed writes, over all groups */
     uint64_t page_size;
     uint64_t buffer_bytes;  /* the region written cyclically, page by page */

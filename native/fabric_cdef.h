@@ -252,8 +252,13 @@ typedef struct fl_nic {
     uint32_t ring_head, ring_tail;
     ...;
 } fl_nic;
+struct fi_sim_counts {
+    uint64_t posts, doorbells, futile_posts, cq_reads, empty_reads, entries, far_accesses, line_moves, migrations;
+    uint64_t app_ns, provider_ns, host_ns, idle_ns;
+};
 typedef struct fl_course_data {
     double elapsed_s; uint64_t timed_writes, timed_bytes; uint64_t marked_writes;
+    int modeled; struct fi_sim_counts model;
     int marks_only; volatile uint64_t writer_heard_ns;
     uint32_t *page_counts; uint64_t pages; uint64_t *seen_writes; uint64_t seen_capacity; volatile uint64_t duplicates;
     volatile uint64_t expected_arrivals; volatile uint64_t arrivals;
@@ -298,7 +303,7 @@ void fl_imm_usage_get(fl_engine *e, fl_imm_usage *out);
 /* ------------------------------------------------------------- the course's run loops (course.h) */
 typedef struct fl_run_config {
     int threads; int groups; int warmup; int pin; int shard; int pad; int batch; int lazy; int fi_more; int mark_last;
-    int cores[...];
+    int cores[...]; int model_cores[...];
     uint64_t total_writes; uint64_t page_size; uint64_t buffer_bytes; uint64_t local_base; double timeout_s;
     double link_timeout_s;
     ...;

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import fi, measure, recorded
+from .. import fi, measure, nics, recorded, threaded
 from .showing import LocalPair, fabric, show_code
 
 # --------------------------------------------------------------- chapters 9-15: the engine, measured
@@ -30,9 +30,9 @@ MODEL = fi.MODELED_PROVIDER
 #: Runs on the model move no payload by default, so there a smaller region (pages written again and again)
 #: only shortens the untimed set-up and the target's check.
 MODEL_REGION_BYTES = 4 << 20
-#: Lessons 13-15's runs on the model: 16 NICs (1600 Gbps, about 3 million 64 KiB writes a second, more than
-#: one thread feeds, so the writer's CPU per write decides), 512 MiB per run.
-MODEL_SETUP = {**ENGINE_SETUP, "nics": 16, "total": 512 << 20}
+#: Lessons 13-15's runs on the model: the article's 32 NICs (3200 Gbps) and, in modeled time, its 8 GPU
+#: groups (chapter_runs), 512 MiB per run.
+MODEL_SETUP = {**{k: v for k, v in ENGINE_SETUP.items() if k != "threads"}, "nics": 32, "total": 512 << 20}
 #: The engine's C sources a lesson quotes from: the course's loops first, then the core under them.
 NATIVE_C = ("course.c", "core.c", "core_internal.h", "sharing.c")
 
@@ -473,7 +473,10 @@ def chapter_runs(bench, chapters, rounds: int = 3, provider: str | None = None, 
     """Chapters of tools.bench.PROGRESSION ("12", "13+", ...; each with only its own techniques on,
     ``threads`` as the GPU groups of every chapter as bench.progression has it) as variants of one
     interleaved run through one target, on ENGINE_SETUP and ``setup`` (lessons 13-15 pass MODEL_SETUP):
-    chapter → runs."""
+    chapter → runs. On the modeled host (nics.modeled_host) the article's 8 GPU groups unless ``threads``
+    says otherwise: its figures are modeled time, which this box's cores do not bound."""
+    if nics.modeled_host(provider) and "threads" not in setup:
+        setup = {**setup, "threads": threaded.ARTICLE_THREADS}
     groups = {**ENGINE_SETUP, **setup}["threads"]
     wanted = [str(c) for c in chapters]
     variants = {chapter: {"stage": stage, "groups": groups, **overrides}

@@ -181,7 +181,7 @@ class Bench:
             paths=paths, per_nic=getattr(stats, "per_nic", []), label=label, duplicates=report.duplicates,
             modeled=info.modeled, line_gbps=nics * link_bps / 1e9, runs_gbps=[stats.gbps],
             groups=getattr(stats, "groups", 1), target_threads=report.target_threads,
-            cores=len(os.sched_getaffinity(0)), counted=report.counted)
+            cores=len(os.sched_getaffinity(0)), counted=report.counted, model=getattr(stats, "model", {}))
 
     def close(self) -> None:
         for _, writer in self._writers.values():
@@ -230,10 +230,12 @@ def progression(chapters=None, rounds: int = 3, **kw) -> list[BenchResult]:
         raise fi.UsageError(f"--rounds must be at least 1, got {rounds}")
     steps = [step for step in PROGRESSION if chapters is None or step[0] in chapters]
     runs: list[list[BenchResult]] = [[] for _ in steps]
+    groups = base.threads or threaded.writer_threads(None, base.provider or fi.default_provider())[0]
     with Bench.for_config(base) as bench:
         for _ in range(rounds):
             for (chapter, what, stage, overrides), done in zip(steps, runs):
-                config = BenchConfig(**{**asdict(base), "stage": stage, "groups": base.threads, **overrides})
+                config = BenchConfig(**{**asdict(base), "stage": stage, "threads": groups, "groups": groups,
+                                        **overrides})
                 done.append(bench.run(config, label=f"{chapter} {what}"))
     out = []
     for done in runs:
@@ -269,7 +271,7 @@ def main(args) -> int:
             print(json.dumps(r))
         return 0
     if args.progression or config.stage in ("threaded", "batched"):
-        print(f"threads: {threaded.writer_threads(config.threads)[1]}"
+        print(f"threads: {threaded.writer_threads(config.threads, config.provider or fi.default_provider())[1]}"
               + ("; chapters 9-10: 1 writer thread walks the groups" if args.progression else ""), flush=True)
     if args.progression:
         if config.total == DEFAULTS["total"]:

@@ -94,7 +94,7 @@ class BenchConfig:
     warmup: bool = DEFAULTS["warmup"]
     link_timeout: float | None = DEFAULTS["link_timeout"]  # a link silent this long is failed over (None: timeout/3)
     count_writes: bool = DEFAULTS["count_writes"]  # the target counts every write (the checking mode)
-    threads: int = DEFAULTS["threads"]
+    threads: int | None = DEFAULTS["threads"]  # None: the stage decides (threaded.writer_threads)
     pin: bool = DEFAULTS["pin"]
     shard: bool = DEFAULTS["shard"]
     pad: bool = DEFAULTS["pad"]

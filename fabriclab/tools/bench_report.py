@@ -45,6 +45,7 @@ class BenchResult:
     target_threads: int = 1  # threads the target polled with
     cores: int = 0  # cores this process may use (os.sched_getaffinity): writer and target threads share them
     counted: bool = True  # the target counted every write (checking mode), else only each NIC's last
+    model: dict = field(default_factory=dict)  # the modeled host's counts for the run (RunFigures.model)
 
     COLUMNS = ("stage", "provider", "memory", "nics", "threads w+t", "page", "in flight", "bytes", "elapsed s",
                "Gbps", "% of line", "Mops/s", "ns CPU/op", "verified")
@@ -61,13 +62,18 @@ class BenchResult:
                 f"{self.cpu_ns_per_op:.0f}", str(self.verified))
 
 
-def format_table(results: list[BenchResult]) -> str:
-    cells = [BenchResult.COLUMNS] + [r.row() for r in results]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(BenchResult.COLUMNS))]
-    lines = ["  ".join(v.rjust(w) if i >= 3 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
+def _table(header: tuple, rows: list[tuple], left: int) -> str:
+    """Columns padded to their widest cell, the first ``left`` to the left, the rest to the right."""
+    cells = [header, *rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(v.rjust(w) if i >= left else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
              for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def format_table(results: list[BenchResult]) -> str:
+    return _table(BenchResult.COLUMNS, [r.row() for r in results], 3)
 
 
 def compare_steps(results: list[BenchResult]) -> list[str]:
@@ -89,15 +95,20 @@ def cores_used(results: list[BenchResult]) -> str:
     how = ("counting every write" if all(r.counted for r in results) else
            "waiting for each NIC's last write (as the article's receiver)" if not any(r.counted for r in results)
            else "counting every write in some runs, only each NIC's last in others")
-    return (f"threads w+t: writer threads + target threads, each polling a core of its own, on the {cores} core(s) "
-            f"this process may use; {', '.join(map(str, groups))} GPU group(s); the target verified each run "
-            f"{how}")
+    where = ("each on a core of the modeled p5 (modeled time: each thread's own CPU time, whatever the "
+             f"{cores} core(s) here)" if any(r.model for r in results) else
+             f"each polling a core of its own, on the {cores} core(s) this process may use")
+    return (f"threads w+t: writer threads + target threads, {where}; {', '.join(map(str, groups))} GPU group(s); "
+            f"the target verified each run {how}")
 
 
 def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: float = 0.0) -> None:
     if any(r.modeled for r in results):
-        print("MODELED figures: NICs of the sim provider (docs/model.md); Gbps and % of line are the model's "
-              "line, the CPU cost is this machine's")
+        print("MODELED figures: NICs and host of the sim provider (docs/model.md); "
+              + ("elapsed s, Gbps and % of line are modeled time on the modeled p5; ns CPU/op is this machine's"
+                 if any(r.model for r in results) else
+                 "Gbps and % of line are the model's line on the wall clock (FABRICLAB_SIM_TIME=wall), the CPU "
+                 "cost is this machine's"))
     print(cores_used(results))
     if any(len(r.runs_gbps) > 1 for r in results):
         print(f"Gbps: median of {len(results[0].runs_gbps)} interleaved runs (min-max)")
@@ -105,6 +116,9 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
     if any(len(r.runs_gbps) > 1 for r in results) and len(results) > 1:
         print("step by step:")
         print("\n".join(compare_steps(results)))
+    if any(r.model for r in results):
+        print("what the modeled p5 host charged, per write (docs/model.md):")
+        print(format_model(results))
     for r in results:
         if line_rate_bps:
             print(f"line rate {line_rate_bps / 1e9:g} Gbps: {r.label or r.stage} landed at {r.landed_gbps:.3f} Gbps = "
@@ -134,6 +148,31 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
     if as_json:
         for r in results:
             print(json.dumps(asdict(r)))
+
+
+#: The modeled host's counts per write, as format_model shows them: (column, count, scale).
+MODEL_COLUMNS = (("CQ reads", "cq_reads", 1), ("empty", "empty_reads", 1), ("doorbells", "doorbells", 1),
+                 ("futile posts", "futile_posts", 1), ("far socket", "far_accesses", 1),
+                 ("line moves", "line_moves", 1), ("app ns", "app_ns", 1), ("provider ns", "provider_ns", 1),
+                 ("host ns", "host_ns", 1), ("idle ns", "idle_ns", 1))
+
+
+def model_per_write(r: BenchResult) -> dict[str, float]:
+    """The modeled host's counts of a run per accepted write (writes the run completed), by MODEL_COLUMNS'
+    names, and the scheduler's moves for the whole run ("migrations")."""
+    writes = max(1, r.writes)
+    out = {column: r.model.get(key, 0) * scale / writes for column, key, scale in MODEL_COLUMNS}
+    out["migrations"] = r.model.get("migrations", 0)
+    return out
+
+
+def format_model(results: list[BenchResult]) -> str:
+    """One row per modeled run: what the modeled host charged per write, its time split into the thread's
+    own CPU time (app), the provider calls' modeled costs, the host's (far socket, line moves, refills) and
+    the polls of nothing skipped (idle), all summed over the run's threads."""
+    rows = [(r.label or r.stage, *(f"{v:.2f}" if v < 100 else f"{v:.0f}" for v in model_per_write(r).values()))
+            for r in results if r.model]
+    return _table(("stage", *(c for c, _, _ in MODEL_COLUMNS), "migrations"), rows, 1)
 
 
 def format_api(r: dict) -> str:

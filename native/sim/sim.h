@@ -44,6 +44,8 @@
 #include <rdma/fi_rma.h>
 #include <rdma/fi_tagged.h>
 
+#include "fi_sim_ext.h"
+
 #define SIM_NAME "sim"
 #define SIM_FABRIC "modeled-p5"
 #define SIM_FABRIC_PAYLOAD "modeled-p5-payload"
@@ -86,6 +88,7 @@ struct sim_model {
     uint64_t latency_ns;
     int payload;
     int ordered; /* FABRICLAB_SIM_ORDERED=1: local completions in posting order (for teaching) */
+    int wall;    /* FABRICLAB_SIM_TIME=wall: the wall clock and this box's costs, not the modeled host's */
 };
 
 extern struct sim_model sim_model;
@@ -192,6 +195,7 @@ struct sim_av {
 struct sim_pending { /* a posted operation whose local completion is not due yet */
     uint64_t tx_start_ns; /* when its first byte leaves this NIC */
     uint64_t landed_ns;   /* when its last byte lands at the target; 0 until it has left */
+    uint64_t left_wall_ns; /* the wall clock when it left: whether its peer was alive is judged then */
     uint64_t due_ns;      /* its acknowledgement, once it has left */
     void *context;
     uint64_t flags;
@@ -238,6 +242,7 @@ struct sim_ep {
     uint64_t last_due_ns;             /* the latest acknowledgement of what has left */
     uint64_t dip_at;                  /* the last operation that left due before an older one (unordered) */
     uint64_t next_due_ns;             /* no operation that left is due before it (0: look) */
+    uint64_t rx_next_due_ns;          /* after a receive-side poll: when the first entry it found not due is */
     uint64_t rx_head, rx_tail;
     struct sim_av *av;
     struct sim_eq *eq;
@@ -262,6 +267,7 @@ struct sim_cq { /* what a read looks at first (its lock, endpoints and error cou
     int format;
     int wait_obj;
     _Atomic int signaled;        /* fi_cq_signal: a waiting fi_cq_sread returns */
+    uint64_t streak;             /* the streak of empty polls that last found it empty (sim_host.c) */
     struct fi_cq_err_entry errs[SIM_ERRS];
     char err_text[SIM_ERRS][SIM_ERR_TEXT];
 };
@@ -270,13 +276,61 @@ struct sim_cq { /* what a read looks at first (its lock, endpoints and error cou
 
 void sim_model_read(void);
 
-/* The model's time. Inline: a post and a poll each read it once, and the read (the TSC through the vDSO) is the
- * largest single cost of either, a call around it need not add to it. */
-static inline uint64_t sim_now_ns(void) {
+/* The wall clock: what liveness and waits' timeouts are judged by. */
+static inline uint64_t sim_wall_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
+
+/* ---------------------------------------------------------------- sim_host.c: the modeled host */
+
+enum sim_cost_id {
+    SIM_COST_POST,        /* the provider's work to take one write or send */
+    SIM_COST_DOORBELL,    /* ringing the NIC (a post without FI_MORE) */
+    SIM_COST_FUTILE,      /* a post answered -FI_EAGAIN (the NIC's queue is full) */
+    SIM_COST_POLL,        /* a CQ read that returns completions, before the completions */
+    SIM_COST_POLL_EMPTY,  /* a CQ read that finds nothing */
+    SIM_COST_ENTRY,       /* each completion it returns */
+    SIM_COST_FAR,         /* what crossing to the other socket adds to a doorbell or a completion's line */
+    SIM_COST_LINE_SOCKET, /* a cache line fetched from another core of the same socket */
+    SIM_COST_LINE_CROSS,  /* a cache line fetched from a core of the other socket */
+    SIM_COST_REFILL,      /* refilling a moved thread's cache */
+    SIM_COST_BALANCE,     /* how long the modeled scheduler leaves an unpinned thread on one core */
+    SIM_COSTS
+};
+
+struct sim_cost {
+    const char *name;
+    double value;
+    const char *unit;
+    const char *source;
+};
+extern const struct sim_cost sim_costs[SIM_COSTS];
+
+/* A thread that calls the provider, as the model sees it. */
+struct sim_thread {
+    uint32_t serial;                    /* 0 until its first call */
+    int core, pinned;                   /* its core on the modeled host (-1 before it is placed) */
+    uint64_t now;                       /* its modeled clock */
+    uint64_t wall_out;                  /* the wall clock when it last left the provider */
+    uint64_t cpu_sample, wall_sample;   /* its CPU clock, and the wall clock, when last compared */
+    uint64_t next_move, random;         /* the modeled scheduler's */
+    uint64_t streak, streak_due, streak_start, streak_polls; /* empty polls since it last did something */
+    uint64_t access_wall, excluded;     /* a shared line's access on this box (fi_sim_ext.h: access_begin) */
+    struct fi_sim_counts counts;
+};
+
+extern __thread struct sim_thread sim_self;
+
+/* The model's time: the calling thread's modeled clock (the wall clock with FABRICLAB_SIM_TIME=wall). */
+static inline uint64_t sim_now_ns(void) { return sim_model.wall ? sim_wall_ns() : sim_self.now; }
+void sim_enter(void); /* at the start of each post and poll: the thread's own time since its last call */
+void sim_leave(void);
+void sim_busy(void);  /* the thread did something: its streak of empty polls ends */
+void sim_charge_post(int nic, ssize_t rc, int rang);
+void sim_charge_poll(struct sim_cq *cq, size_t entries, uint64_t next_due);
+int sim_host_ops_open(struct fid *fid, const char *name, uint64_t flags, void **ops, void *context);
 uint32_t sim_next_serial(void);
 size_t sim_segment_size(void);
 char *sim_port_data(struct sim_segment *s, int slot, int port);
@@ -343,6 +397,7 @@ extern struct fi_ops_rma sim_rma_ops;
 void sim_send_due(struct sim_ep *ep, uint64_t now);
 size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now);
 size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now);
+uint64_t sim_next_event(const struct sim_ep *ep, int rx, int tx);
 
 /* ------------------------------------------------------------------------------------ sim_cq.c */
 

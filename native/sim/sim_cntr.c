@@ -42,11 +42,11 @@ static int cntr_wait(struct fid_cntr *fid, uint64_t threshold, int timeout) {
     struct sim_cntr *c = (struct sim_cntr *)fid;
     if (c->wait_obj == FI_WAIT_NONE) return -FI_ENOSYS;
     uint64_t errors = atomic_load(&c->errors);
-    uint64_t deadline = timeout < 0 ? UINT64_MAX : sim_now_ns() + (uint64_t)timeout * 1000000;
+    uint64_t deadline = timeout < 0 ? UINT64_MAX : sim_wall_ns() + (uint64_t)timeout * 1000000;
     for (;;) {
         if (atomic_load(&c->value) >= threshold) return 0;
         if (atomic_load(&c->errors) != errors) return -FI_EAVAIL;
-        if (sim_now_ns() >= deadline) return -FI_ETIMEDOUT;
+        if (sim_wall_ns() >= deadline) return -FI_ETIMEDOUT;
         nanosleep(&(struct timespec){0, 100000}, NULL);
     }
 }

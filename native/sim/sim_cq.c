@@ -71,9 +71,10 @@ static int has_work(struct sim_ep *ep, const struct sim_cq *cq) {
  * its transmit CQ, and its departures whichever it is), starting with a different one each time so that none
  * starves the others; completions fill buf up to count. count 0 (fi_cq_readerr) queues only what needs no
  * room in buf: the errors of its transmit sides. The caller holds the CQ's lock. */
-static size_t progress(struct sim_cq *cq, void *buf, size_t count) {
+static size_t progress(struct sim_cq *cq, void *buf, size_t count, uint64_t *next_due) {
     size_t n = 0;
     uint64_t now = 0; /* read once, at the first endpoint with work */
+    *next_due = UINT64_MAX;
     unsigned first = cq->next++ % (unsigned)cq->neps;
     for (int i = 0; i < cq->neps && (n < count || !count); i++) {
         struct sim_ep *ep = cq->eps[(first + (unsigned)i) % (unsigned)cq->neps];
@@ -82,8 +83,11 @@ static size_t progress(struct sim_cq *cq, void *buf, size_t count) {
         if (has_work(ep, cq)) {
             if (!now) now = sim_now_ns();
             sim_send_due(ep, now); /* a poll of either CQ lets what is due leave the writer's NIC */
-            if (ep->rx_cq == cq && count) n = sim_progress_rx(ep, buf, count, n, now);
-            if (ep->tx_cq == cq) n = sim_progress_tx(ep, buf, count, n, now);
+            int rx = ep->rx_cq == cq && count, tx = ep->tx_cq == cq;
+            if (rx) n = sim_progress_rx(ep, buf, count, n, now);
+            if (tx) n = sim_progress_tx(ep, buf, count, n, now);
+            uint64_t next = sim_next_event(ep, rx, tx);
+            if (next < *next_due) *next_due = next;
         }
         sim_ep_unlock(ep);
     }
@@ -94,11 +98,15 @@ static size_t progress(struct sim_cq *cq, void *buf, size_t count) {
  * completion overtakes it); once the application has read them all, reads progress again. */
 static ssize_t cq_read(struct fid_cq *fid, void *buf, size_t count) {
     struct sim_cq *cq = (struct sim_cq *)fid;
+    sim_enter();
     pthread_mutex_lock(&cq->lock);
     size_t n = 0;
-    if (cq->err_head == cq->err_tail && cq->neps && count) n = progress(cq, buf, count);
+    uint64_t next_due = UINT64_MAX;
+    if (cq->err_head == cq->err_tail && cq->neps && count) n = progress(cq, buf, count, &next_due);
     int errors = cq->err_head != cq->err_tail;
+    sim_charge_poll(cq, errors && !n ? 1 : n, next_due);
     pthread_mutex_unlock(&cq->lock);
+    sim_leave();
     if (n) return (ssize_t)n;
     return errors ? -FI_EAVAIL : -FI_EAGAIN;
 }
@@ -113,8 +121,12 @@ static ssize_t cq_readfrom(struct fid_cq *fid, void *buf, size_t count, fi_addr_
  * (an application that drains errors until -FI_EAGAIN gets every one due, past the queue's SIM_ERRS). */
 static ssize_t cq_readerr(struct fid_cq *fid, struct fi_cq_err_entry *buf, uint64_t flags) {
     struct sim_cq *cq = (struct sim_cq *)fid;
+    uint64_t next_due;
+    sim_enter();
     pthread_mutex_lock(&cq->lock);
-    if (cq->err_head == cq->err_tail && cq->neps) progress(cq, NULL, 0);
+    if (cq->err_head == cq->err_tail && cq->neps) progress(cq, NULL, 0, &next_due);
+    sim_charge_poll(cq, cq->err_head != cq->err_tail, UINT64_MAX);
+    sim_leave();
     if (cq->err_head == cq->err_tail) {
         pthread_mutex_unlock(&cq->lock);
         return -FI_EAGAIN;
@@ -152,11 +164,11 @@ static ssize_t cq_sreadfrom(struct fid_cq *fid, void *buf, size_t count, fi_addr
                             int timeout) {
     struct sim_cq *cq = (struct sim_cq *)fid;
     if (cq->wait_obj == FI_WAIT_NONE) return -FI_ENOSYS; /* fi_cq(3): no wait object, no waiting */
-    uint64_t deadline = timeout < 0 ? UINT64_MAX : sim_now_ns() + (uint64_t)timeout * 1000000;
+    uint64_t deadline = timeout < 0 ? UINT64_MAX : sim_wall_ns() + (uint64_t)timeout * 1000000;
     for (;;) {
         ssize_t n = cq_readfrom(fid, buf, count, src);
         if (n != -FI_EAGAIN) return n;
-        if (atomic_exchange(&cq->signaled, 0) || sim_now_ns() >= deadline) return -FI_EAGAIN;
+        if (atomic_exchange(&cq->signaled, 0) || sim_wall_ns() >= deadline) return -FI_EAGAIN;
         nanosleep(&(struct timespec){0, 20000}, NULL);
     }
 }
@@ -210,7 +222,7 @@ static int cq_close(struct fid *fid) {
 }
 
 static struct fi_ops cq_fi_ops = {.size = sizeof(struct fi_ops), .close = cq_close, .bind = sim_no_bind,
-                                  .control = sim_no_control, .ops_open = sim_no_ops_open, .ops_set = sim_no_ops_set};
+                                  .control = sim_no_control, .ops_open = sim_host_ops_open, .ops_set = sim_no_ops_set};
 static struct fi_ops_cq cq_ops = {.size = sizeof(struct fi_ops_cq), .read = cq_read, .readfrom = cq_readfrom,
                                   .readerr = cq_readerr, .sread = cq_sread, .sreadfrom = cq_sreadfrom,
                                   .signal = cq_signal, .strerror = cq_strerror};

@@ -81,11 +81,11 @@ static ssize_t eq_write(struct fid_eq *fid, uint32_t event, const void *buf, siz
 static ssize_t eq_sread(struct fid_eq *fid, uint32_t *event, void *buf, size_t len, int timeout, uint64_t flags) {
     struct sim_eq *eq = (struct sim_eq *)fid;
     if (eq->efd < 0) return -FI_ENOSYS; /* FI_WAIT_NONE: no waiting (fi_eq(3)) */
-    uint64_t deadline = timeout < 0 ? UINT64_MAX : sim_now_ns() + (uint64_t)timeout * 1000000;
+    uint64_t deadline = timeout < 0 ? UINT64_MAX : sim_wall_ns() + (uint64_t)timeout * 1000000;
     for (;;) {
         ssize_t rc = eq_read(fid, event, buf, len, flags);
         if (rc != -FI_EAGAIN) return rc;
-        uint64_t now = sim_now_ns();
+        uint64_t now = sim_wall_ns();
         if (now >= deadline) return -FI_EAGAIN;
         struct pollfd p = {.fd = eq->efd, .events = POLLIN};
         uint64_t left_ms = (deadline - now + 999999) / 1000000;

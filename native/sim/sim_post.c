@@ -62,7 +62,8 @@ static int take_port_room(struct sim_ep *ep, struct sim_pending *t, fi_addr_t de
  * there) and, if it announces anything, its entry is published in our port. */
 static void leave(struct sim_ep *ep, struct sim_pending *t) {
     struct sim_peer *peer = &ep->av->peers[t->dest];
-    if (!peer->seg || sim_peer_known_dead(peer, t->tx_start_ns)) { /* removed, or gone before the bytes left */
+    t->left_wall_ns = sim_wall_ns();
+    if (!peer->seg || sim_peer_known_dead(peer, t->left_wall_ns)) { /* removed, or gone before the bytes left */
         t->err = FI_EHOSTUNREACH;
         ep->tx_failed++;
         return;
@@ -123,7 +124,7 @@ static ssize_t post(struct sim_ep *ep, int kind, const struct iovec *iov, size_t
         if (rc == -FI_ENOSPC) return refuse(ep, context, op_flags, len, FI_ENOSPC);
         /* a full port whose target is gone is an error, not -FI_EAGAIN for ever */
         if (rc) {
-            uint64_t now = sim_now_ns();
+            uint64_t now = sim_wall_ns();
             return sim_peer_alive_at(peer, now, now) ? rc : refuse(ep, context, op_flags, len, FI_EHOSTUNREACH);
         }
     }
@@ -160,7 +161,10 @@ static void ring_doorbell(struct sim_ep *ep, uint64_t now) {
         struct sim_pending *t = &ep->tx[ep->tx_held % SIM_TX];
         if (!t->err) t->tx_start_ns = sim_occupy_tx(ep->domain, t->len, first_contact(ep, t, now));
     }
-    sim_send_due(ep, now);
+    /* In modeled time each thread has its own clock, and a thread that shares the transmit line may have
+     * booked it far ahead of this one's clock: what the doorbell rang goes on the wire at once, at the start
+     * the line gave it (a target reads it only once due), so that it never waits for a poll that may not come. */
+    sim_send_due(ep, sim_model.wall ? now : UINT64_MAX);
 }
 
 static ssize_t locked_post(struct fid_ep *fid, int kind, const struct iovec *iov, size_t count, fi_addr_t dest,
@@ -168,13 +172,16 @@ static ssize_t locked_post(struct fid_ep *fid, int kind, const struct iovec *iov
     struct sim_ep *ep = (struct sim_ep *)fid;
     if (count > SIM_IOV || (count && !iov)) return -FI_EINVAL; /* iov_limit */
     if ((flags & FI_INJECT) && iov_bytes(iov, count) > SIM_INJECT) return -FI_EMSGSIZE;
+    sim_enter();
     sim_ep_lock(ep);
-    /* the doorbell's time is the call's start: a payload's copy (FABRICLAB_SIM_PAYLOAD) is the NIC's DMA, which
-     * costs the host nothing; a post with FI_MORE rings no doorbell and reads no clock */
-    uint64_t now = flags & FI_MORE ? 0 : sim_now_ns();
+    /* the doorbell's time is the call's start plus the post's own modeled cost: a payload's copy
+     * (FABRICLAB_SIM_PAYLOAD) is the NIC's DMA, which costs the host nothing */
     ssize_t rc = post(ep, kind, iov, count, dest, raddr, key, data, context, flags);
-    if (rc == 0 && !(flags & FI_MORE)) ring_doorbell(ep, now);
+    int rang = rc == 0 && !(flags & FI_MORE);
+    sim_charge_post(ep->nic, rc, rang);
+    if (rang) ring_doorbell(ep, sim_now_ns());
     sim_ep_unlock(ep);
+    sim_leave();
     return rc;
 }
 

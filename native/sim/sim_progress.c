@@ -68,7 +68,10 @@ static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t 
     if (rp->waiting) deliver_waiting(ep, port, p, buf, count, n);
     for (; rp->scan != head && *n < count; rp->scan++) {
         struct sim_entry *e = &port->ring[rp->scan % SIM_RING];
-        if (e->due_ns > now) break;
+        if (e->due_ns > now) {
+            if (e->due_ns < ep->rx_next_due_ns) ep->rx_next_due_ns = e->due_ns;
+            break;
+        }
         if (is_message(e->kind)) {
             if (rp->waiting || ep->rx_head == ep->rx_tail) {
                 rp->waiting++;
@@ -97,7 +100,8 @@ static void read_port(struct sim_ep *ep, int p, void *buf, size_t count, size_t 
  * a recent one looks at the process instead. */
 size_t sim_progress_rx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
     struct sim_segment *seg = ep->seg;
-    atomic_store_explicit(&seg->polled_ns, now, memory_order_relaxed);
+    atomic_store_explicit(&seg->polled_ns, sim_wall_ns(), memory_order_relaxed);
+    ep->rx_next_due_ns = UINT64_MAX;
     for (int w = 0; w < SIM_PORT_WORDS && n < count; w++) {
         uint64_t used = atomic_load_explicit(&seg->ports_used[ep->slot][w], memory_order_acquire);
         for (; used && n < count; used &= used - 1) read_port(ep, w * 64 + __builtin_ctzll(used), buf, count, &n, now);
@@ -123,8 +127,8 @@ static int complete(struct sim_ep *ep, struct sim_pending *t, int sent, void *bu
     int removed = !peer->seg;              /* fi_av_remove'd while the operation was on its way */
     if (!sent || t->due_ns > now) {
         /* not due yet, unless the peer's process ended before these bytes could land: they never will */
-        if (!removed && !sim_peer_known_dead(peer, sent ? t->landed_ns : t->tx_start_ns)) return 0;
-    } else if (!removed && sim_peer_alive_at(peer, t->landed_ns, now)) {
+        if (!removed && !sim_peer_known_dead(peer, sent ? t->left_wall_ns : sim_wall_ns())) return 0;
+    } else if (!removed && sim_peer_alive_at(peer, t->left_wall_ns, sim_wall_ns())) {
         if (!(t->flags & FI_COMPLETION)) return 1;
         if (*n == count) return 0;
         sim_cq_fill(ep->tx_cq, buf, (*n)++, t->context, t->flags & (FI_RMA | FI_WRITE | FI_MSG | FI_SEND), t->len,
@@ -176,6 +180,23 @@ static size_t complete_due(struct sim_ep *ep, void *buf, size_t count, size_t n,
  * those whose acknowledgement is due complete (all in posting order with FABRICLAB_SIM_ORDERED=1); the
  * oldest also when its peer is known gone. count 0 (fi_cq_readerr) completes only what needs no room in buf:
  * errors. The transmit queue frees every completed one at its head. */
+/* After a poll that found nothing: the first time anything of the endpoint's is due (UINT64_MAX: nothing
+ * it waits for will come by itself), for the modeled host's skip over a thread's empty polls. */
+uint64_t sim_next_event(const struct sim_ep *ep, int rx, int tx) {
+    uint64_t next = rx ? ep->rx_next_due_ns : UINT64_MAX;
+    if (!tx || ep->tx_head == ep->tx_tail) return next;
+    if (ep->tx_failed) return 0; /* an error is due at once */
+    if (ep->tx_sent != ep->tx_head) {
+        uint64_t due = sim_model.ordered ? ep->tx[ep->tx_head % SIM_TX].due_ns : ep->next_due_ns;
+        if (due < next) next = due;
+    }
+    if (ep->tx_sent != ep->tx_tail) {
+        uint64_t start = ep->tx[ep->tx_sent % SIM_TX].tx_start_ns; /* SIM_HELD: waits for a doorbell */
+        if (start < next) next = start;
+    }
+    return next;
+}
+
 size_t sim_progress_tx(struct sim_ep *ep, void *buf, size_t count, size_t n, uint64_t now) {
     if (!sim_model.ordered) {
         complete_failed_ones(ep);

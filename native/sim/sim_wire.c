@@ -37,6 +37,10 @@ void sim_model_read(void) {
     sim_model.payload = p && *p && strcmp(p, "0") != 0;
     const char *o = getenv("FABRICLAB_SIM_ORDERED");
     sim_model.ordered = o && *o && strcmp(o, "0") != 0;
+    const char *t = getenv("FABRICLAB_SIM_TIME");
+    sim_model.wall = t && strcmp(t, "wall") == 0;
+    if (t && *t && !sim_model.wall && strcmp(t, "modeled") != 0)
+        fprintf(stderr, "libfabric sim: ignoring FABRICLAB_SIM_TIME=%s (modeled or wall)\n", t);
 }
 
 uint32_t sim_next_serial(void) {
@@ -162,7 +166,7 @@ struct sim_watch *sim_watch_open(int pid) {
         if ((w = calloc(1, sizeof *w))) {
             /* its segment was just mapped: alive then */
             *w = (struct sim_watch){.pid = pid, .pidfd = (int)syscall(SYS_pidfd_open, pid, 0),
-                                    .alive_until_ns = sim_now_ns()};
+                                    .alive_until_ns = sim_wall_ns()};
             watches[watch_count++] = w;
         }
     }
