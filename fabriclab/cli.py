@@ -109,6 +109,17 @@ def parse_size(text: str | int) -> int:
         raise ValueError(f"{text!r} is not a size (examples: 4096, 64K, 1M, 2G)") from None
 
 
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]], left: int) -> str:
+    """A text table: columns padded to their widest cell, the first ``left`` to the left, the rest to the
+    right, a rule under the header."""
+    cells = [header, *rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(v.rjust(w) if i >= left else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
+             for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def format_size(n: int) -> str:
     """A byte count as sizes are written: 4 KiB, 64 KiB, 1 MiB, 2 GiB; in bytes unless a whole number of KiB."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):

@@ -4,7 +4,9 @@ do not overlap. The stages, the bench, the fan-in tool and the lessons all use t
 same thing wherever it is printed."""
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
+
+from . import cli
 
 #: What ``verdict`` calls two sets of runs whose ranges overlap.
 NOISE = "noise (ranges overlap)"
@@ -21,3 +23,29 @@ def verdict(before: Iterable[float], after: Iterable[float]) -> str:
     not overlap; otherwise NOISE: one run of each swings by 10-20 % on a busy host."""
     before, after = list(before), list(after)
     return "gain" if min(after) > max(before) else "loss" if max(after) < min(before) else NOISE
+
+
+#: The modeled host's counts per write, as format_model shows them: (column, count, scale).
+MODEL_COLUMNS = (("CQ reads", "cq_reads", 1), ("empty", "empty_reads", 1), ("doorbells", "doorbells", 1),
+                 ("futile posts", "futile_posts", 1), ("far socket", "far_accesses", 1),
+                 ("line moves", "line_moves", 1), ("app ns", "app_ns", 1), ("provider ns", "provider_ns", 1),
+                 ("host ns", "host_ns", 1), ("idle ns", "idle_ns", 1))
+
+
+def model_per_write(r: Any) -> dict[str, float]:
+    """The modeled host's counts of a run (``r.model``, _native.RunFigures.model) per accepted write
+    (``r.writes``, the writes the run completed), by MODEL_COLUMNS' names, and the scheduler's moves for the
+    whole run ("migrations")."""
+    writes = max(1, r.writes)
+    out = {column: r.model.get(key, 0) * scale / writes for column, key, scale in MODEL_COLUMNS}
+    out["migrations"] = r.model.get("migrations", 0)
+    return out
+
+
+def format_model(results: Iterable[Any]) -> str:
+    """One row per modeled run: what the modeled host charged per write, its time split into the thread's
+    own CPU time (app), the provider calls' modeled costs, the host's (far socket, line moves, refills) and
+    the polls of nothing skipped (idle), all summed over the run's threads."""
+    rows = [(r.label or r.stage, *(f"{v:.2f}" if v < 100 else f"{v:.0f}" for v in model_per_write(r).values()))
+            for r in results if r.model]
+    return cli.table(("stage", *(c for c, _, _ in MODEL_COLUMNS), "migrations"), rows, 1)

@@ -492,11 +492,13 @@ def article_cores(threads: int) -> list[int]:
     from .topology import Topology  # the recorded layouts are read only when a pinned run asks
 
     p5 = Topology.load("p5.48xlarge")
-    preferred, seen = [], {}
-    for group in sorted(p5.groups, key=lambda g: g.gpu):
-        node = sorted(p5.numa_node(group.numa_node).cores)
-        share = len(node) // sum(1 for g in p5.groups if g.numa_node == group.numa_node)
-        k = seen[group.numa_node] = seen.get(group.numa_node, -1) + 1
+    preferred: list[int] = []
+    seen: dict[int, int] = {}
+    for group in sorted(p5.groups, key=lambda g: g.gpu or 0):
+        numa = group.numa_node or 0
+        node = sorted(p5.numa_node(numa).cores)
+        share = len(node) // sum(1 for g in p5.groups if (g.numa_node or 0) == numa)
+        k = seen[numa] = seen.get(numa, -1) + 1
         preferred.append(node[k * share + share // 2])
     return [preferred[t % len(preferred)] for t in range(threads)]
 

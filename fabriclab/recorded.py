@@ -1,17 +1,17 @@
-"""What a run ran on, and a progression recorded on a machine with many cores, shipped as package data.
+"""What a run ran on, and a progression recorded with the machine it ran on.
 
-A 2-core box cannot show what the course's later chapters do with cores to spare (issue 23). So, like the
-recorded p5 topology, one run of ``python -m fabriclab bench --progression ... --record FILE`` made on a
-16-core machine ships in ``fabriclab/data/progression-NAME.json``; a lesson loads it with ``shipped()`` and
-draws it, labelled "recorded", beside its own bars (``course.lesson.beside_recorded``). A recording keeps each
-chapter's median and every interleaved run, the machine it ran on (cores, CPU, providers, the commit) and the
-command, so its figures are never mistaken for the reader's or the article's.
+``python -m fabriclab bench --progression ... --record FILE`` keeps each chapter's median and every
+interleaved run, the machine it ran on (cores, CPU, providers, the commit) and the command, so that its
+figures are never mistaken for the reader's or the article's; ``load()`` reads one back, and
+``course.lesson.beside_recorded`` draws it, labelled "recorded", beside the reader's bars. A recording placed
+in ``fabriclab/data/progression-NAME.json`` is found by ``shipped()``. None ships now: the modeled p5 runs in
+modeled time (docs/model.md), so its figures are the same on a 2-core box and a 16-core one, which is what
+the 16-core recording once stood in for (issue 23); a recording keeps a real provider's run (a testbed, EFA).
 
 The format lives here, below both the bench that writes it and the course that draws it (tests/test_layers.py
 keeps those two apart); ``machine()`` and ``commit()`` also stamp the executed notebooks (course.provenance).
 
-    python -m fabriclab bench --progression --provider sim --nics 32 --page-size 64K \\
-        --record fabriclab/data/progression-16core.json
+    python -m fabriclab bench --progression --provider "tcp;ofi_rxm" --nics 8 --record progression-mine.json
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from .topology import DATA_DIR
 FORMAT = "fabriclab-progression/1"
 PREFIX = "progression-"  # fabriclab/data/progression-NAME.json: beside the topologies, told apart by name
 SOURCE_ROOT = pathlib.Path(__file__).resolve().parents[1]  # the checkout, when fabriclab runs from one
-HOW = ("record one on a machine with many cores: python -m fabriclab bench --progression --provider sim --nics 32 "
-       "--page-size 64K --record fabriclab/data/progression-16core.json")
+HOW = ("record one: python -m fabriclab bench --progression --provider PROVIDER --nics N --record FILE, and load it "
+       "with fabriclab.recorded.load(FILE)")
 
 
 def _git(root: pathlib.Path, *args: str) -> str:

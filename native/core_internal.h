@@ -34,6 +34,8 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
 #include <rdma/fi_endpoint.h>
 #include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
@@ -88,7 +90,7 @@ typedef struct nic_state {
     int last_had_more;
     fl_op last_more;     /* the last write posted with FI_MORE: where a flush write goes if the next is refused */
     struct group *group; /* the group that drives this NIC during a write run */
-} nic_state;
+} __attribute__((aligned(64))) nic_state; /* NICs of different threads never share a line */
 
 /* Per-thread counters for chapters 13 (sharded: packed, four threads' pairs to a cache line) and beyond
  * (padded: a line each). */
@@ -142,7 +144,7 @@ typedef struct group {
     uint32_t rr;
     uint64_t quota, issued, completed; /* timed writes: to do, enqueued, completed */
     uint64_t mark_from;                /* with fl_run_config.mark_last: the first of its writes that is marked */
-} group;
+} __attribute__((aligned(64))) group; /* a thread's counts never share a line with another's group */
 
 /* A write waiting for room on one of its group's NICs after its own link went down. */
 typedef struct spilled {
@@ -180,7 +182,7 @@ typedef struct thread_ctx {
     uint32_t revive_seen; /* service: the e->service.revive_epoch this worker's dead paths belong to */
     uint32_t reroute_rr;
     int incoming;         /* service: a peer's write landed on this worker's NICs since it last looked */
-} thread_ctx;
+} __attribute__((aligned(64))) thread_ctx; /* written at every pass: a line of its own (flc_calloc_lines) */
 
 /* ------------------------------------------------------------------------------ return codes */
 
@@ -229,6 +231,14 @@ typedef struct flc_failover {
 } flc_failover;
 
 /* ------------------------------------------------------------------------------ inline helpers */
+
+/* calloc for the line-aligned types above (thread_ctx, group, nic_state): NULL when out of memory. */
+static inline void *flc_calloc_lines(size_t n, size_t size) {
+    size_t bytes = (n * size + 63) / 64 * 64;
+    void *p = aligned_alloc(64, bytes ? bytes : 64);
+    if (p) memset(p, 0, bytes ? bytes : 64);
+    return p;
+}
 
 static inline int stopping(const fl_engine *e) { return __atomic_load_n(&e->stop, __ATOMIC_RELAXED); }
 

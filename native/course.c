@@ -227,8 +227,8 @@ int fl_write_run(fl_engine *e, const fl_run_config *cfg) {
     memset(st->padded, 0, sizeof st->padded);
     uint32_t pages = (uint32_t)((cfg->buffer_bytes + cfg->page_size - 1) / cfg->page_size);
     int T = cfg->threads;
-    thread_ctx *ctx = calloc(T, sizeof(thread_ctx));
-    group *groups = calloc(cfg->groups, sizeof(group));
+    thread_ctx *ctx = flc_calloc_lines(T, sizeof(thread_ctx));
+    group *groups = flc_calloc_lines(cfg->groups, sizeof(group));
     pthread_t *tids = calloc(T, sizeof(pthread_t));
     if (!ctx || !groups || !tids) {
         free(ctx); free(groups); free(tids);
@@ -240,7 +240,7 @@ int fl_write_run(fl_engine *e, const fl_run_config *cfg) {
     }
     /* Groups are dealt to threads: with one thread it drives all of them (chapters 9-10). Each thread
      * gets its groups as one contiguous block of the group array. */
-    group *regrouped = calloc(cfg->groups, sizeof(group));
+    group *regrouped = flc_calloc_lines(cfg->groups, sizeof(group));
     int at = 0;
     for (int t = 0; t < T; t++) {
         ctx[t].groups = &regrouped[at];

@@ -20,7 +20,7 @@ fl_engine *fl_engine_new(int nnics, uint32_t ring_capacity) {
     memset(st, 0, sizeof(*st));
     e->state = st;
     e->nnics = nnics;
-    st->nics = calloc(nnics, sizeof(nic_state));
+    st->nics = flc_calloc_lines(nnics, sizeof(nic_state));
     for (int i = 0; st->nics && i < nnics; i++) {
         e->nics[i].ring = calloc(ring_capacity, sizeof(fl_op));
         e->nics[i].ring_capacity = ring_capacity;

@@ -214,6 +214,8 @@ void *fi_mr_desc(struct fid_mr *mr);
 uint64_t fi_mr_key(struct fid_mr *mr);
 
 ssize_t fi_cq_read(struct fid_cq *cq, void *buf, size_t count);
+int fi_open_ops(struct fid *fid, const char *name, uint64_t flags, void **ops, void *context);
+struct fi_sim_host_ops { size_t size; uint64_t (*now_ns)(void); ...; };
 ssize_t fi_cq_readerr(struct fid_cq *cq, struct fi_cq_err_entry *buf, uint64_t flags);
 const char *fi_cq_strerror(struct fid_cq *cq, int prov_errno, const void *err_data, char *buf, size_t len);
 

@@ -209,7 +209,7 @@ int fl_service_start(fl_engine *e, const fl_service_config *cfg) {
     int rc = flc_prepare_slots(e);
     if (rc) return e->error_code = rc;
     st->service_cfg = *cfg;
-    st->service_ctx = calloc(cfg->threads, sizeof(thread_ctx));
+    st->service_ctx = flc_calloc_lines(cfg->threads, sizeof(thread_ctx));
     group *owned = calloc(cfg->threads, sizeof(group)); /* worker w's NICs: those whose group is w */
     for (int k = 0; owned && k < e->nnics; k++) owned[e->nics[k].group].nics[owned[e->nics[k].group].nnics++] = k;
     st->done_ids = calloc(FLC_DONE_CAPACITY(e), sizeof(uint32_t));

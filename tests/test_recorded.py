@@ -58,13 +58,13 @@ def test_the_figure_draws_the_recording_beside_the_readers_bars(recording, capsy
 
 def test_without_a_recording_shipped_the_loader_and_the_figure_say_so(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(recorded, "DATA_DIR", tmp_path)  # an empty data folder: nothing shipped
-    with pytest.raises(recorded.NoRecording, match="no recorded progression is shipped .*--record fabriclab/data/"):
+    with pytest.raises(recorded.NoRecording, match="no recorded progression is shipped .*--record FILE"):
         recorded.load()
     assert recorded.shipped() is None
     fig = lesson.beside_recorded({"9": 10.0}, "here")
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["article (p5): % of its line rate",
                                                                             "here"]
-    assert "no recording from a larger machine is shipped" in capsys.readouterr().out
+    assert "no recording is shipped" in capsys.readouterr().out
 
 
 def test_a_file_that_is_not_a_recording_is_named(tmp_path):

@@ -256,7 +256,9 @@ def test_engine_reports_no_success_for_writes_into_a_target_killed_mid_transfer(
             "    except TransferError as exc:\n"
             "        print(type(exc).__name__, exc.buffer_safe, exc)\n"
             "target.proc.wait()\n")
-    out = run_python(code, FABRICLAB_SIM_NICS="2", FABRICLAB_SIM_GBPS="0.03", **SIM_ENV)
+    # the kill lands 1 s into the run on the wall clock: in modeled time the writer's clock would pass those
+    # 9 s of the line in a moment
+    out = run_python(code, FABRICLAB_SIM_NICS="2", FABRICLAB_SIM_GBPS="0.03", FABRICLAB_SIM_TIME="wall", **SIM_ENV)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("PeerLost"), out.stdout
 

@@ -1,6 +1,6 @@
 """Lessons 09-16's measuring helpers: interleaved runs of the engine's chapters, medians and spreads,
 per-write counters, each chapter's mechanism, checked facts and predictions, and the reader's figure beside
-the article's and beside a recorded larger machine. ``fabriclab.course.lesson`` re-exports every name, so a
+the article's and beside a recording. ``fabriclab.course.lesson`` re-exports every name, so a
 notebook writes ``lesson.fact(...)``.
 """
 from __future__ import annotations
@@ -384,7 +384,7 @@ def article(chapter: str):
     return gbps, 100 * gbps / line
 
 
-# ---- a larger machine's progression beside the reader's (issue 23: what more cores do)
+# ---- a recorded progression (fabriclab.recorded) beside the reader's
 
 def beside_recorded(measured: dict[str, float], measured_label: str,
                     recording: recorded.Recording | None = None, **options: Any) -> Any:
@@ -396,7 +396,7 @@ def beside_recorded(measured: dict[str, float], measured_label: str,
     from . import figures
     recording = recording if recording is not None else recorded.shipped()
     if recording is None:
-        print(f"no recording from a larger machine is shipped with this fabriclab; {recorded.HOW}")
+        print(f"no recording is shipped with this fabriclab; {recorded.HOW}")
         return figures.progression_bars(measured, measured_label=measured_label, **options)
     print(recording.describe())
     return figures.progression_bars(measured, measured_label=measured_label, recorded=recording.percents(),
@@ -475,8 +475,8 @@ def chapter_runs(bench, chapters, rounds: int = 3, provider: str | None = None, 
     interleaved run through one target, on ENGINE_SETUP and ``setup`` (lessons 13-15 pass MODEL_SETUP):
     chapter → runs. On the modeled host (nics.modeled_host) the article's 8 GPU groups unless ``threads``
     says otherwise: its figures are modeled time, which this box's cores do not bound."""
-    if nics.modeled_host(provider) and "threads" not in setup:
-        setup = {**setup, "threads": threaded.ARTICLE_THREADS}
+    if nics.modeled_host(provider) and "threads" not in setup:  # a group needs a NIC of its own
+        setup = {**setup, "threads": min(threaded.ARTICLE_THREADS, {**ENGINE_SETUP, **setup}["nics"])}
     groups = {**ENGINE_SETUP, **setup}["threads"]
     wanted = [str(c) for c in chapters]
     variants = {chapter: {"stage": stage, "groups": groups, **overrides}
@@ -513,19 +513,40 @@ def on_cpu_share(r) -> float:
 
 def chapter_table(results: dict) -> None:
     """One row per chapter of chapter_runs: Gbps median (min-max), % of the line (or of memcpy), writes
-    per second, the writer's CPU per write and share of the run on a CPU (medians), writer threads for its
-    GPU groups and target threads, beside the article's figure."""
+    per second, writer threads for its GPU groups and target threads, beside the article's figure; and where
+    the time went (medians): in modeled time (the sim provider's host) each thread's own CPU time and the
+    modeled costs per write, else the writer's CPU per write and its share of the run on a CPU."""
     for chapter, runs in results.items():
         r = runs[0]  # what every run of a chapter shares: its threads, groups and line
         gbps, share = spread(x.gbps for x in runs), spread(share_of_line(x) for x in runs)
         theirs = article(chapter)
         ref = f"article {theirs[0]:7.1f} Gbps = {theirs[1]:4.1f} %" if theirs else "(not in the article)"
         of = "of line" if r.line_gbps else "of memcpy"
+        if r.model:  # modeled time: the thread's own time and the model's per write, summed over the threads
+            own, calls, host = (median_of(runs, lambda x, k=k: measure.model_per_write(x)[k])
+                                for k in ("app ns", "provider ns", "host ns"))
+            went = f"per write {own:,.0f} ns own + {calls:,.0f} ns calls + {host:,.0f} ns host (modeled)"
+        else:
+            went = (f"{median_of(runs, lambda x: x.cpu_ns_per_op):,.0f} ns CPU/write, on a CPU "
+                    f"{median_of(runs, on_cpu_share):.0%}")
         print(f"ch {chapter:<4}{gbps[0]:8.1f} Gbps ({gbps[1]:.1f}-{gbps[2]:.1f}) = {share[0]:5.1f} % {of} "
-              f"({share[1]:.1f}-{share[2]:.1f}); {median_of(runs, lambda x: x.mops):.3f} M writes/s, "
-              f"{median_of(runs, lambda x: x.cpu_ns_per_op):,.0f} ns CPU/write, on a CPU "
-              f"{median_of(runs, on_cpu_share):.0%}; {r.threads} writer thread(s) for "
-              f"{r.groups} group(s) + {r.target_threads} target thread | {ref}")
+              f"({share[1]:.1f}-{share[2]:.1f}); {median_of(runs, lambda x: x.mops):.3f} M writes/s, {went}; "
+              f"{r.threads} writer thread(s) for {r.groups} group(s) + {r.target_threads} target thread | {ref}")
+
+
+def model_count(runs, column: str) -> float:
+    """The median run's count per write of one of the modeled host's columns (tools.bench_report's
+    MODEL_COLUMNS (fabriclab.measure): "CQ reads", "far socket", "line moves", "doorbells", "futile posts", ...; "migrations"
+    per run)."""
+    return median_of(runs, lambda r: measure.model_per_write(r)[column])
+
+
+def model_table(results: dict) -> None:
+    """What the modeled p5 host charged each chapter of chapter_runs, per write (its median run): the
+    chapter's mechanism in counts, and its time split into the thread's own CPU time and the modeled
+    costs (docs/model.md, "Modeled time")."""
+    medians = [sorted(runs, key=lambda r: r.gbps)[(len(runs) - 1) // 2] for runs in results.values()]
+    print(measure.format_model([r for r in medians if r.model]))
 
 
 def progression_chart(results: dict, current: str, title: str, measured_label: str):

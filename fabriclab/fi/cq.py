@@ -33,6 +33,10 @@ class Completion:
         return bool(self.flags & lib.FI_REMOTE_CQ_DATA)
 
 
+#: The sim provider's extension that holds its modeled clock (FI__SIM_HOST_OPS, native/sim/fi_sim_ext.h).
+_SIM_HOST_OPS = b"fabriclab_sim_host_v1"
+
+
 class CompletionQueue(Resource):
     """fi_cq_open with FI_CQ_FORMAT_DATA. Keeps each posted operation's context alive until it completes.
 
@@ -57,6 +61,15 @@ class CompletionQueue(Resource):
         self._inflight: dict[int, tuple[CData, Any, MemoryRegion | None]] = {}  # context, token, memory
         self._backlog: collections.deque[Completion] = collections.deque()
         self.polls = 0
+
+    def modeled_clock(self) -> Callable[[], int] | None:
+        """The modeled host's clock of the calling thread, in ns, where the provider has one (the sim provider
+        in modeled time, docs/model.md: native/sim/fi_sim_ext.h), else None (its time is the wall clock)."""
+        ops = ffi.new("void **")
+        if lib.fi_open_ops(ffi.cast("struct fid *", self._ptr), _SIM_HOST_OPS, 0, ops, ffi.NULL) != 0:
+            return None
+        host = ffi.cast("struct fi_sim_host_ops *", ops[0])
+        return lambda: int(host.now_ns())
 
     def new_context(self, token: Any, mr: MemoryRegion | None = None) -> CData:
         """A fresh operation context (big enough for FI_CONTEXT and FI_CONTEXT2) tied to ``token``; it holds

@@ -231,6 +231,7 @@ def progression(chapters=None, rounds: int = 3, **kw) -> list[BenchResult]:
     steps = [step for step in PROGRESSION if chapters is None or step[0] in chapters]
     runs: list[list[BenchResult]] = [[] for _ in steps]
     groups = base.threads or threaded.writer_threads(None, base.provider or fi.default_provider())[0]
+    groups = min(groups, base.nics or groups)  # a GPU group needs a NIC of its own
     with Bench.for_config(base) as bench:
         for _ in range(rounds):
             for (chapter, what, stage, overrides), done in zip(steps, runs):

@@ -61,8 +61,8 @@ def add_arguments(p) -> None:
     harness.add_argument("--json", action="store_true",
                          help="print one JSON object per result, the last on the last line")
     harness.add_argument("--record", metavar="FILE", default=None,
-                         help="--progression: also write the run as a recording (fabriclab.recorded) that "
-                              "lessons draw beside the reader's, e.g. fabriclab/data/progression-16core.json")
+                         help="--progression: also write the run as a recording (fabriclab.recorded): each run with "
+                              "the machine it ran on and the command")
 
 
 def _option_defaults() -> dict:

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from .. import cli
-from ..measure import gbps, verdict
+from ..measure import format_model, gbps, verdict
 
 
 @dataclass
@@ -62,18 +62,8 @@ class BenchResult:
                 f"{self.cpu_ns_per_op:.0f}", str(self.verified))
 
 
-def _table(header: tuple, rows: list[tuple], left: int) -> str:
-    """Columns padded to their widest cell, the first ``left`` to the left, the rest to the right."""
-    cells = [header, *rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
-    lines = ["  ".join(v.rjust(w) if i >= left else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths)))
-             for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def format_table(results: list[BenchResult]) -> str:
-    return _table(BenchResult.COLUMNS, [r.row() for r in results], 3)
+    return cli.table(BenchResult.COLUMNS, [r.row() for r in results], 3)
 
 
 def compare_steps(results: list[BenchResult]) -> list[str]:
@@ -148,31 +138,6 @@ def print_results(results: list[BenchResult], as_json: bool, line_rate_bps: floa
     if as_json:
         for r in results:
             print(json.dumps(asdict(r)))
-
-
-#: The modeled host's counts per write, as format_model shows them: (column, count, scale).
-MODEL_COLUMNS = (("CQ reads", "cq_reads", 1), ("empty", "empty_reads", 1), ("doorbells", "doorbells", 1),
-                 ("futile posts", "futile_posts", 1), ("far socket", "far_accesses", 1),
-                 ("line moves", "line_moves", 1), ("app ns", "app_ns", 1), ("provider ns", "provider_ns", 1),
-                 ("host ns", "host_ns", 1), ("idle ns", "idle_ns", 1))
-
-
-def model_per_write(r: BenchResult) -> dict[str, float]:
-    """The modeled host's counts of a run per accepted write (writes the run completed), by MODEL_COLUMNS'
-    names, and the scheduler's moves for the whole run ("migrations")."""
-    writes = max(1, r.writes)
-    out = {column: r.model.get(key, 0) * scale / writes for column, key, scale in MODEL_COLUMNS}
-    out["migrations"] = r.model.get("migrations", 0)
-    return out
-
-
-def format_model(results: list[BenchResult]) -> str:
-    """One row per modeled run: what the modeled host charged per write, its time split into the thread's
-    own CPU time (app), the provider calls' modeled costs, the host's (far socket, line moves, refills) and
-    the polls of nothing skipped (idle), all summed over the run's threads."""
-    rows = [(r.label or r.stage, *(f"{v:.2f}" if v < 100 else f"{v:.0f}" for v in model_per_write(r).values()))
-            for r in results if r.model]
-    return _table(("stage", *(c for c, _, _ in MODEL_COLUMNS), "migrations"), rows, 1)
 
 
 def format_api(r: dict) -> str:

@@ -223,10 +223,11 @@ void sim_charge_poll(struct sim_cq *cq, size_t entries, uint64_t next_due) {
 
 /* ------------------------------------------------------------------------------ shared cache lines */
 
-struct sim_sharer {
+struct sim_sharer { /* a line each: the model's own bookkeeping must not make lines move on this box */
     _Atomic uint32_t serial;
     _Atomic int core;
     _Atomic uint64_t wall_ns;
+    char pad[SIM_CACHELINE - 16];
 };
 
 struct sim_line {
@@ -256,14 +257,20 @@ static void access_begin(void) {
     if (!sim_model.wall) sim_self.access_wall = sim_wall_ns();
 }
 
+static void charge_line(struct sim_thread *me, const volatile void *address, uint64_t wall);
+
 static void access_end(const volatile void *address) {
     struct sim_thread *me = &sim_self;
     if (sim_model.wall || !me->serial) return;
-    uint64_t spent = sim_wall_ns() - me->access_wall; /* the access on this box: not the thread's time */
-    me->excluded += spent + clock_cost_ns();
+    charge_line(me, address, sim_wall_ns());
+    /* the access and the model's look at the line, on this box: none of it is the thread's time */
+    me->excluded += sim_wall_ns() - me->access_wall + clock_cost_ns();
+}
+
+static void charge_line(struct sim_thread *me, const volatile void *address, uint64_t wall) {
     struct sim_line *l = line_of((uintptr_t)address >> 6);
     if (!l) return;
-    uint64_t wall = sim_wall_ns(), moves = 0, sum = 0;
+    uint64_t moves = 0, sum = 0;
     struct sim_sharer *mine = &l->sharers[me->serial % SIM_SHARERS];
     atomic_store_explicit(&mine->serial, me->serial, memory_order_relaxed);
     atomic_store_explicit(&mine->core, me->core, memory_order_relaxed);
