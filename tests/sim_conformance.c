@@ -25,6 +25,8 @@
 #include <rdma/fi_rma.h>
 #include <rdma/fi_tagged.h>
 
+#include "../native/sim/fi_sim_ext.h" /* the provider's extension, as fi_ext_efa.h is efa's */
+
 #define API FI_VERSION(1, 17)
 #define TIMEOUT_MS 5000
 
@@ -956,6 +958,71 @@ static void *register_many(void *arg) {
     return NULL;
 }
 
+/* ------------------------------------------------------------ the modeled host's extension */
+
+#define HOST_LINES 600 /* more shared lines than the model follows at once */
+static const struct fi_sim_host_ops *host;
+static uint64_t host_line[64] __attribute__((aligned(64)));
+
+/* Each of two threads accesses one line `rounds` times; returns the thread's line moves. */
+static void *share_line(void *arg) {
+    struct fi_sim_counts c;
+    uint64_t before;
+    host->counts(&c);
+    before = c.line_moves;
+    for (int i = 0; i < 20000; i++) {
+        host->access_begin();
+        __atomic_fetch_add(&host_line[(uintptr_t)arg], 1, __ATOMIC_RELAXED);
+        host->access_end(&host_line[(uintptr_t)arg]);
+    }
+    host->counts(&c);
+    return (void *)(uintptr_t)(c.line_moves - before);
+}
+
+static uint64_t moves_on_one_line(uintptr_t which) {
+    pthread_t a, b;
+    void *ma, *mb;
+    pthread_create(&a, NULL, share_line, (void *)which);
+    pthread_create(&b, NULL, share_line, (void *)which);
+    pthread_join(a, &ma);
+    pthread_join(b, &mb);
+    return (uintptr_t)ma + (uintptr_t)mb;
+}
+
+/* The extension answers (or, with FABRICLAB_SIM_TIME=wall, is refused): a thread's clock moves forward with
+ * its polls, two threads that share a line move it, and lines of runs long over are reused, so that a
+ * process running many runs keeps being charged. */
+static void check_host(void) {
+    struct nic a;
+    nic_open(&a, 0);
+    struct fid_cq *cq = cq_new(&a);
+    const char *mode = getenv("FABRICLAB_SIM_TIME");
+    int rc = fi_open_ops(&cq->fid, FI_SIM_HOST_OPS, 0, (void **)&host, NULL);
+    if (mode && !strcmp(mode, "wall")) {
+        CHECK(rc == -FI_ENOSYS, "with FABRICLAB_SIM_TIME=wall the modeled clock is refused: %d", rc);
+    } else {
+        EXPECT(rc, 0);
+        EXPECT(fi_open_ops(&cq->fid, "no_such_ops", 0, (void **)&host, NULL), -FI_ENOSYS);
+        EXPECT(fi_open_ops(&cq->fid, FI_SIM_HOST_OPS, 0, (void **)&host, NULL), 0);
+        struct fi_cq_data_entry e;
+        uint64_t t0 = host->now_ns();
+        for (int i = 0; i < 10; i++) EXPECT(fi_cq_read(cq, &e, 1), -FI_EAGAIN);
+        CHECK(host->now_ns() > t0, "ten empty polls moved the clock from %llu to %llu", (unsigned long long)t0,
+              (unsigned long long)host->now_ns());
+        CHECK(moves_on_one_line(0) > 0, "two threads sharing a line never moved it");
+        for (int i = 0; i < HOST_LINES; i++) { /* one thread alone: each a line the model then follows */
+            host->access_begin();
+            host->access_end((const char *)&host_line[0] + 4096 * (size_t)(i + 1));
+        }
+        struct timespec past = {0, 150 * 1000 * 1000}; /* past the model's 100 ms: those lines are done with */
+        nanosleep(&past, NULL);
+        CHECK(moves_on_one_line(8) > 0, "after %d lines were used once, a newly shared line was never moved",
+              HOST_LINES);
+    }
+    EXPECT(fi_close(&cq->fid), 0);
+    nic_close(&a);
+}
+
 /* Two endpoints of one domain, sharing one AV, send from two threads to one target while a third thread
  * registers memory: every message arrives exactly once (and under ThreadSanitizer, no data race). */
 static void check_threads(void) {
@@ -1022,6 +1089,7 @@ static const struct { const char *name; void (*run)(void); } checks[] = {
     {"iov_limits", check_iov_limits},
     {"getinfo", check_getinfo},
     {"threads", check_threads},
+    {"host", check_host},
 };
 
 int main(int argc, char **argv) {

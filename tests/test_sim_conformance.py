@@ -20,7 +20,8 @@ from native_build import (ROOT, SANITIZER_ENV, compiler_with, libfabric_flags, s
 HERE = Path(__file__).resolve().parent
 PACKAGE_DIR = Path(fi.MODELED_PROVIDER_LIBRARY).parent
 CHECKS = ["eq", "cntr", "cq_wait", "unsupported_answer", "av_close_while_bound", "av_insert_gone_peer", "separate_cqs",
-          "shared_cq", "selective_completion", "write_verified", "failed_writes", "iov_limits", "getinfo", "threads"]
+          "shared_cq", "selective_completion", "write_verified", "failed_writes", "iov_limits", "getinfo", "threads",
+          "host"]
 
 
 def provider_env(provider_dir: Path, **extra) -> dict:
@@ -150,3 +151,12 @@ def test_fi_pingpong_default_endpoint_type_is_no_data_not_a_crash():
     client, served, server_rc = _pingpong_pair([_pingpong(), "-p", "sim"])
     assert client.returncode > 0 and server_rc > 0, f"client:\n{client.stdout}{client.stderr}\nserver:\n{served}"
     assert "fi_getinfo" in served and "-61" in served, served
+
+
+def test_the_host_extension_is_refused_on_the_wall_clock(conformance):
+    """FABRICLAB_SIM_TIME=wall: the provider runs on the wall clock and offers no modeled clock (check_host's
+    other branch); an engine then times its runs on the wall clock."""
+    program, _ = conformance
+    env = provider_env(PACKAGE_DIR, FABRICLAB_SIM_TIME="wall")
+    result = subprocess.run([str(program), "host"], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr

@@ -237,15 +237,37 @@ struct sim_line {
 
 static struct sim_line lines[SIM_LINES];
 
-static struct sim_line *line_of(uintptr_t key) {
+/* A line no thread has touched for SIM_SHARER_ACTIVE_NS belongs to a run that is over: the model may follow
+ * another line in its place (a process that runs one write run after another never runs out of them). */
+static int line_done_with(struct sim_line *l, uint64_t wall) {
+    for (int i = 0; i < SIM_SHARERS; i++) {
+        uint64_t seen = atomic_load_explicit(&l->sharers[i].wall_ns, memory_order_relaxed);
+        if (seen && wall - seen <= SIM_SHARER_ACTIVE_NS) return 0;
+    }
+    return 1;
+}
+
+static struct sim_line *line_of(uintptr_t key, uint64_t wall) {
+    struct sim_line *done_with = NULL;
+    uintptr_t done_key = 0;
     for (unsigned i = 0, at = (unsigned)(key * 0x9e3779b1u) % SIM_LINES; i < SIM_LINES; i++) {
         struct sim_line *l = &lines[(at + i) % SIM_LINES];
         uintptr_t seen = atomic_load_explicit(&l->key, memory_order_acquire);
         if (seen == key) return l;
         if (!seen && atomic_compare_exchange_strong(&l->key, &seen, key)) return l;
         if (seen == key) return l;
+        if (!done_with && seen && line_done_with(l, wall)) {
+            done_with = l;
+            done_key = seen;
+        }
     }
-    return NULL; /* more shared lines than the model follows: charged nothing */
+    if (!done_with || !atomic_compare_exchange_strong(&done_with->key, &done_key, key))
+        return NULL; /* more lines in use at once than the model follows: charged nothing */
+    for (int i = 0; i < SIM_SHARERS; i++) { /* the old line's sharers are not this one's */
+        atomic_store_explicit(&done_with->sharers[i].serial, 0, memory_order_relaxed);
+        atomic_store_explicit(&done_with->sharers[i].wall_ns, 0, memory_order_relaxed);
+    }
+    return done_with;
 }
 
 /* The thread read or wrote a line other threads write: where one of them wrote it last it comes from that
@@ -254,7 +276,9 @@ static struct sim_line *line_of(uintptr_t key) {
  * of the same socket or of the other, in the proportion of the sharers there. Judged by who shares the
  * line, never by how the threads happened to interleave on this box. */
 static void access_begin(void) {
-    if (!sim_model.wall) sim_self.access_wall = sim_wall_ns();
+    if (sim_model.wall) return;
+    if (!sim_self.serial) sim_enter(); /* a thread the model meets here first: its clock starts now */
+    sim_self.access_wall = sim_wall_ns();
 }
 
 static void charge_line(struct sim_thread *me, const volatile void *address, uint64_t wall);
@@ -268,7 +292,7 @@ static void access_end(const volatile void *address) {
 }
 
 static void charge_line(struct sim_thread *me, const volatile void *address, uint64_t wall) {
-    struct sim_line *l = line_of((uintptr_t)address >> 6);
+    struct sim_line *l = line_of((uintptr_t)address >> 6, wall);
     if (!l) return;
     uint64_t moves = 0, sum = 0;
     struct sim_sharer *mine = &l->sharers[me->serial % SIM_SHARERS];
