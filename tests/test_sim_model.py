@@ -91,11 +91,13 @@ def test_the_python_binding_reads_the_modeled_clock():
     code = ("from fabriclab import fi\n"
             "stack = fi.EndpointStack(fi.getinfo('sim', 'rdmap16s0-rdm')[0])\n"
             "clock = stack.cq.modeled_clock()\n"
-            "before = clock(); stack.cq.poll(); print(clock is not None and clock() > before)\n")
-    for env, expected in (({}, "True"), ({"FABRICLAB_SIM_TIME": "wall"}, "False")):
-        code_env = code if not env else code.replace("print(clock is not None and clock() > before)",
-                                                     "print(clock is not None)").replace(
-            "before = clock(); stack.cq.poll(); ", "")
-        out = subprocess.run([sys.executable, "-c", code_env], capture_output=True, text=True, timeout=60,
+            "before = clock(); stack.cq.poll(); print(clock is not None and clock() > before)\n"
+            "import time\n"  # a reading between calls counts the thread's own time since its last call
+            "t1 = clock(); t0 = time.process_time()\n"
+            "while time.process_time() - t0 < 0.002: pass\n"
+            "print(clock() - t1 >= 1_000_000)\n")
+    wall = code.split("before = ")[0] + "print(clock is not None)\n"
+    for env, expected, run in (({}, "True\nTrue", code), ({"FABRICLAB_SIM_TIME": "wall"}, "False", wall)):
+        out = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=60,
                              env={**os.environ, **env}, cwd=ROOT)
         assert out.stdout.strip() == expected, out.stderr[-1000:]

@@ -5,8 +5,11 @@ notebook writes ``lesson.fact(...)``.
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import subprocess
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -203,6 +206,20 @@ def first_write_latency(nics: int = 4, warm: int = 20, size: int = 64 << 10, pro
                 times.append((op.completed - op.posted) * 1e6)
             out.append((times[0], times[1:]))
     return out
+
+
+def first_contact_on_the_model(latency_us: float, nics: int = 4, warm: int = 20) -> list[tuple[float, list[float]]]:
+    """first_write_latency on the modeled p5 with a one-way latency of ``latency_us`` (the model's
+    FABRICLAB_SIM_LATENCY_US), in a process of its own (the provider reads its settings when it starts). On the
+    model a write's time is modeled time, which counts this Python loop's own time too: a latency much longer
+    than that makes the first write's handshake (two latencies) stand out from it."""
+    code = ("import json; from fabriclab.course import lesson; "
+            f"print(json.dumps(lesson.first_write_latency(nics={nics}, warm={warm}, provider={MODEL!r})))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "FABRICLAB_SIM_LATENCY_US": str(latency_us)})
+    if done.returncode != 0:
+        raise fi.FabricError(f"first writes on the model failed: {done.stderr.strip()[-500:]}")
+    return [(first, list(rest)) for first, rest in json.loads(done.stdout.splitlines()[-1])]
 
 
 # ---- lesson 11: writes/s against threads

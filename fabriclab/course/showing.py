@@ -126,7 +126,7 @@ def stage_args(provider: str, domain: str | None = None) -> list[str]:
 
 @dataclass
 class Op:
-    """One posted operation as the trace saw it (times from time.perf_counter, in seconds)."""
+    """One posted operation as the trace saw it (times from LocalPair.clock, in seconds)."""
     token: Any
     side: str            # "receiver" or "sender"
     kind: str            # "recv", "send", "write"
@@ -197,12 +197,16 @@ class LocalPair:
             raise
         self.info = self.sender.info
         self.trace = Trace()
+        # The trace's clock: on the modeled host (the sim provider in modeled time) this thread's modeled clock,
+        # which is what a post, a wait and a handshake cost there; elsewhere time.perf_counter.
+        modeled = self.sender.cq.modeled_clock()
+        self.clock: Callable[[], float] = (lambda: modeled() / 1e9) if modeled else time.perf_counter
 
     # -- polling
 
     def poll(self) -> int:
         """Read both completion queues once; returns how many completions of traced operations arrived."""
-        now = time.perf_counter
+        now = self.clock
         start = now()
         seen = 0
         for stack in (self.receiver, self.sender):
@@ -230,7 +234,7 @@ class LocalPair:
               retry: bool = True) -> bool:
         """Post with ``attempt`` (a try_post_* call); on -FI_EAGAIN poll and retry, unless ``retry`` is
         False, in which case return False and record nothing."""
-        start = time.perf_counter()
+        start = self.clock()
         refusals = 0
         deadline = time.monotonic() + self.timeout
         while not attempt():
@@ -240,7 +244,7 @@ class LocalPair:
             self.poll()
             if time.monotonic() > deadline:
                 raise fi.FabricTimeout(f"posting a {kind}", self.timeout, "the provider kept answering -FI_EAGAIN")
-        self.trace.posted(Op(token, side, kind, length, start, time.perf_counter(), refusals))
+        self.trace.posted(Op(token, side, kind, length, start, self.clock(), refusals))
         return True
 
     def post_recv(self, token, length: int | None = None, offset: int = 0, retry: bool = True) -> bool:
@@ -273,7 +277,7 @@ class LocalPair:
         slots = max(1, min(window, self.outbox.size // size, self.inbox.size // size))
         remote = self.inbox_mr.remote()
         posted = done = 0
-        start = time.perf_counter()
+        start = self.clock()
         deadline = time.monotonic() + self.timeout
         while done < count:
             while posted < count and posted - done < window:
@@ -286,7 +290,7 @@ class LocalPair:
             done += len(self.sender.cq.poll())
             if time.monotonic() > deadline:
                 raise fi.FabricTimeout(f"{count} writes of {size} bytes", self.timeout)
-        return size * count / (time.perf_counter() - start)
+        return size * count / (self.clock() - start)
 
     # -- lifetime
 

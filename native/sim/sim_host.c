@@ -317,7 +317,13 @@ static void charge_line(struct sim_thread *me, const volatile void *address, uin
 
 /* ------------------------------------------------------------------------------------- the extension */
 
-static uint64_t host_now(void) { return sim_self.serial ? sim_self.now : sim_wall_ns(); }
+/* The clock as of this moment: the thread's own time since its last provider call counts (as the next call
+ * would count it), so that a reading between calls is not the last call's. */
+static uint64_t host_now(void) {
+    sim_enter();
+    sim_leave();
+    return sim_self.now;
+}
 
 static void place(int core) {
     struct sim_thread *me = &sim_self;
