@@ -25,11 +25,11 @@ def verdict(before: Iterable[float], after: Iterable[float]) -> str:
     return "gain" if min(after) > max(before) else "loss" if max(after) < min(before) else NOISE
 
 
-#: The modeled host's counts per write, as format_model shows them: (column, count, scale).
-MODEL_COLUMNS = (("CQ reads", "cq_reads", 1), ("empty", "empty_reads", 1), ("doorbells", "doorbells", 1),
-                 ("futile posts", "futile_posts", 1), ("far socket", "far_accesses", 1),
-                 ("line moves", "line_moves", 1), ("app ns", "app_ns", 1), ("provider ns", "provider_ns", 1),
-                 ("host ns", "host_ns", 1), ("idle ns", "idle_ns", 1))
+#: The modeled host's counts per write, as format_model shows them: (column, count).
+MODEL_COLUMNS = (("CQ reads", "cq_reads"), ("empty", "empty_reads"), ("doorbells", "doorbells"),
+                 ("futile posts", "futile_posts"), ("far socket", "far_accesses"), ("line moves", "line_moves"),
+                 ("app ns", "app_ns"), ("provider ns", "provider_ns"), ("host ns", "host_ns"),
+                 ("idle ns", "idle_ns"))
 
 
 def model_per_write(r: Any) -> dict[str, float]:
@@ -37,7 +37,7 @@ def model_per_write(r: Any) -> dict[str, float]:
     (``r.writes``, the writes the run completed), by MODEL_COLUMNS' names, and the scheduler's moves for the
     whole run ("migrations")."""
     writes = max(1, r.writes)
-    out = {column: r.model.get(key, 0) * scale / writes for column, key, scale in MODEL_COLUMNS}
+    out = {column: r.model.get(key, 0) / writes for column, key in MODEL_COLUMNS}
     out["migrations"] = r.model.get("migrations", 0)
     return out
 
@@ -48,4 +48,4 @@ def format_model(results: Iterable[Any]) -> str:
     the polls of nothing skipped (idle), all summed over the run's threads."""
     rows = [(r.label or r.stage, *(f"{v:.2f}" if v < 100 else f"{v:.0f}" for v in model_per_write(r).values()))
             for r in results if r.model]
-    return cli.table(("stage", *(c for c, _, _ in MODEL_COLUMNS), "migrations"), rows, 1)
+    return cli.table(("stage", *(column for column, _ in MODEL_COLUMNS), "migrations"), rows, 1)

@@ -235,8 +235,9 @@ typedef struct flc_failover {
 /* calloc for the line-aligned types above (thread_ctx, group, nic_state): NULL when out of memory. */
 static inline void *flc_calloc_lines(size_t n, size_t size) {
     size_t bytes = (n * size + 63) / 64 * 64;
-    void *p = aligned_alloc(64, bytes ? bytes : 64);
-    if (p) memset(p, 0, bytes ? bytes : 64);
+    if (!bytes) bytes = 64;
+    void *p = aligned_alloc(64, bytes);
+    if (p) memset(p, 0, bytes);
     return p;
 }
 

@@ -291,6 +291,7 @@ int fl_write_run(fl_engine *e, const fl_run_config *cfg) {
         if (st->end_ns[t] > st->start_ns[t] && st->end_ns[t] - st->start_ns[t] > longest)
             longest = st->end_ns[t] - st->start_ns[t];
         bytes += st->timed_bytes[t];
+        _Static_assert(sizeof(struct fi_sim_counts) % sizeof(uint64_t) == 0, "fi_sim_counts holds uint64_t only");
         uint64_t *sum = (uint64_t *)&e->course.model;
         const uint64_t *mine = (const uint64_t *)&st->model[t];
         for (size_t k = 0; k < sizeof e->course.model / sizeof(uint64_t); k++) sum[k] += mine[k];

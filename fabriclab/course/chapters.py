@@ -552,9 +552,8 @@ def chapter_table(results: dict) -> None:
 
 
 def model_count(runs, column: str) -> float:
-    """The median run's count per write of one of the modeled host's columns (tools.bench_report's
-    MODEL_COLUMNS (fabriclab.measure): "CQ reads", "far socket", "line moves", "doorbells", "futile posts", ...; "migrations"
-    per run)."""
+    """The median run's count per write in one of the modeled host's columns (fabriclab.measure.MODEL_COLUMNS:
+    "CQ reads", "far socket", "line moves", "doorbells", "futile posts", ...; "migrations" per run)."""
     return median_of(runs, lambda r: measure.model_per_write(r)[column])
 
 

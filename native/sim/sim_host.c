@@ -7,7 +7,6 @@
  * the modeled cost of each call, never by what the call costs on this box, and, while the thread only polls
  * queues that hold nothing due yet, straight to the first thing due (a p5's thread would spin until then). */
 #include "sim.h"
-#include "fi_sim_ext.h"
 
 #include <stdio.h>
 #include <string.h>
@@ -201,23 +200,19 @@ void sim_charge_poll(struct sim_cq *cq, size_t entries, uint64_t next_due) {
     charge(&me->counts.provider_ns, cost(SIM_COST_POLL_EMPTY));
     /* Back at a queue this streak of empty polls has looked at: the thread has gone round everything it
      * polls and found nothing. On a p5 it would go round again until the first of them is due; the model
-     * moves its clock there and counts the polls that took. */
-    if (cq->streak != me->streak) {
-        cq->streak = me->streak;
-        me->streak_polls++;
-        if (next_due < me->streak_due) me->streak_due = next_due;
-        return;
+     * moves its clock there, counts the polls that took, and a new streak starts with this poll. */
+    if (cq->streak == me->streak) {
+        if (me->streak_due != UINT64_MAX && me->streak_due > me->now) {
+            uint64_t skip = me->streak_due - me->now, round = me->now - me->streak_start;
+            uint64_t polls = round ? skip * me->streak_polls / round : 0;
+            me->counts.cq_reads += polls;
+            me->counts.empty_reads += polls;
+            charge(&me->counts.idle_ns, skip);
+        }
+        sim_busy();
     }
-    if (me->streak_due != UINT64_MAX && me->streak_due > me->now) {
-        uint64_t skip = me->streak_due - me->now, round = me->now - me->streak_start;
-        uint64_t polls = round ? skip * me->streak_polls / round : 0;
-        me->counts.cq_reads += polls;
-        me->counts.empty_reads += polls;
-        charge(&me->counts.idle_ns, skip);
-    }
-    sim_busy();
     cq->streak = me->streak;
-    me->streak_polls = 1;
+    me->streak_polls++;
     if (next_due < me->streak_due) me->streak_due = next_due;
 }
 
@@ -275,22 +270,6 @@ static struct sim_line *line_of(uintptr_t key, uint64_t wall) {
  * between two accesses of one thread another has written it: each access fetches the line, from a core
  * of the same socket or of the other, in the proportion of the sharers there. Judged by who shares the
  * line, never by how the threads happened to interleave on this box. */
-static void access_begin(void) {
-    if (sim_model.wall) return;
-    if (!sim_self.serial) sim_enter(); /* a thread the model meets here first: its clock starts now */
-    sim_self.access_wall = sim_wall_ns();
-}
-
-static void charge_line(struct sim_thread *me, const volatile void *address, uint64_t wall);
-
-static void access_end(const volatile void *address) {
-    struct sim_thread *me = &sim_self;
-    if (sim_model.wall || !me->serial) return;
-    charge_line(me, address, sim_wall_ns());
-    /* the access and the model's look at the line, on this box: none of it is the thread's time */
-    me->excluded += sim_wall_ns() - me->access_wall + clock_cost_ns();
-}
-
 static void charge_line(struct sim_thread *me, const volatile void *address, uint64_t wall) {
     struct sim_line *l = line_of((uintptr_t)address >> 6, wall);
     if (!l) return;
@@ -313,6 +292,22 @@ static void charge_line(struct sim_thread *me, const volatile void *address, uin
     if (!moves) return;
     me->counts.line_moves++;
     charge(&me->counts.host_ns, sum / moves);
+}
+
+/* The engine brackets each access to such a line with these (fi_sim_ext.h): the access is charged as a move,
+ * and what it took on this box is kept out of the thread's time. */
+static void access_begin(void) {
+    if (sim_model.wall) return;
+    if (!sim_self.serial) sim_enter(); /* a thread the model meets here first: its clock starts now */
+    sim_self.access_wall = sim_wall_ns();
+}
+
+static void access_end(const volatile void *address) {
+    struct sim_thread *me = &sim_self;
+    if (sim_model.wall || !me->serial) return;
+    charge_line(me, address, sim_wall_ns());
+    /* the access and the model's look at the line, on this box: none of it is the thread's time */
+    me->excluded += sim_wall_ns() - me->access_wall + clock_cost_ns();
 }
 
 /* ------------------------------------------------------------------------------------- the extension */
