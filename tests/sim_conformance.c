@@ -964,29 +964,40 @@ static void *register_many(void *arg) {
 static const struct fi_sim_host_ops *host;
 static uint64_t host_line[64] __attribute__((aligned(64)));
 
-/* Each of two threads accesses one line `rounds` times; returns the thread's line moves. */
+struct line_share {
+    uintptr_t which; /* an index into host_line: 0, 8, 16, ... are lines of their own */
+    int core;        /* where the thread sits on the modeled host */
+    uint64_t moves, host_ns;
+};
+
+/* A thread placed on its core accesses one line 20000 times; counts the line's moves and what they cost. */
 static void *share_line(void *arg) {
-    struct fi_sim_counts c;
-    uint64_t before;
-    host->counts(&c);
-    before = c.line_moves;
+    struct line_share *s = arg;
+    struct fi_sim_counts before, after;
+    host->place(s->core);
+    host->counts(&before);
     for (int i = 0; i < 20000; i++) {
         host->access_begin();
-        __atomic_fetch_add(&host_line[(uintptr_t)arg], 1, __ATOMIC_RELAXED);
-        host->access_end(&host_line[(uintptr_t)arg]);
+        __atomic_fetch_add(&host_line[s->which], 1, __ATOMIC_RELAXED);
+        host->access_end(&host_line[s->which]);
     }
-    host->counts(&c);
-    return (void *)(uintptr_t)(c.line_moves - before);
+    host->counts(&after);
+    s->moves = after.line_moves - before.line_moves;
+    s->host_ns = after.host_ns - before.host_ns;
+    return NULL;
 }
 
-static uint64_t moves_on_one_line(uintptr_t which) {
+/* Two threads on the given cores share one line; returns the moves of both, and their mean cost in *ns. */
+static uint64_t moves_on_one_line(uintptr_t which, int core_a, int core_b, double *ns) {
     pthread_t a, b;
-    void *ma, *mb;
-    pthread_create(&a, NULL, share_line, (void *)which);
-    pthread_create(&b, NULL, share_line, (void *)which);
-    pthread_join(a, &ma);
-    pthread_join(b, &mb);
-    return (uintptr_t)ma + (uintptr_t)mb;
+    struct line_share sa = {which, core_a, 0, 0}, sb = {which, core_b, 0, 0};
+    pthread_create(&a, NULL, share_line, &sa);
+    pthread_create(&b, NULL, share_line, &sb);
+    pthread_join(a, NULL);
+    pthread_join(b, NULL);
+    uint64_t moves = sa.moves + sb.moves;
+    if (ns) *ns = moves ? (double)(sa.host_ns + sb.host_ns) / (double)moves : 0;
+    return moves;
 }
 
 /* The extension answers (or, with FABRICLAB_SIM_TIME=wall, is refused): a thread's clock moves forward with
@@ -1009,15 +1020,23 @@ static void check_host(void) {
         for (int i = 0; i < 10; i++) EXPECT(fi_cq_read(cq, &e, 1), -FI_EAGAIN);
         CHECK(host->now_ns() > t0, "ten empty polls moved the clock from %llu to %llu", (unsigned long long)t0,
               (unsigned long long)host->now_ns());
-        CHECK(moves_on_one_line(0) > 0, "two threads sharing a line never moved it");
+        /* a p5's EPYC 7R13: a line moves fastest within a core complex (cores 0-7), slower from another
+         * complex of the socket (8-15), slowest from the other socket (48-95) */
+        double complex_ns, socket_ns, cross_ns;
+        CHECK(moves_on_one_line(0, 0, 1, &complex_ns) > 0, "two threads sharing a line never moved it");
+        CHECK(moves_on_one_line(8, 0, 8, &socket_ns) > 0 && moves_on_one_line(16, 0, 48, &cross_ns) > 0,
+              "two threads sharing a line never moved it");
+        CHECK(0 < complex_ns && complex_ns < socket_ns && socket_ns < cross_ns,
+              "a line's move costs %.0f ns within a core complex, %.0f from another, %.0f from the other socket",
+              complex_ns, socket_ns, cross_ns);
         for (int i = 0; i < HOST_LINES; i++) { /* one thread alone: each a line the model then follows */
             host->access_begin();
             host->access_end((const char *)&host_line[0] + 4096 * (size_t)(i + 1));
         }
         struct timespec past = {0, 150 * 1000 * 1000}; /* past the model's 100 ms: those lines are done with */
         nanosleep(&past, NULL);
-        CHECK(moves_on_one_line(8) > 0, "after %d lines were used once, a newly shared line was never moved",
-              HOST_LINES);
+        CHECK(moves_on_one_line(24, -1, -2, NULL) > 0,
+              "after %d lines were used once, a newly shared line was never moved", HOST_LINES);
     }
     EXPECT(fi_close(&cq->fid), 0);
     nic_close(&a);

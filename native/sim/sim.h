@@ -293,7 +293,8 @@ enum sim_cost_id {
     SIM_COST_POLL_EMPTY,  /* a CQ read that finds nothing */
     SIM_COST_ENTRY,       /* each completion it returns */
     SIM_COST_FAR,         /* what crossing to the other socket adds to a doorbell or a completion's line */
-    SIM_COST_LINE_SOCKET, /* a cache line fetched from another core of the same socket */
+    SIM_COST_LINE_CCX,    /* a cache line fetched from another core of the same core complex (shared L3) */
+    SIM_COST_LINE_SOCKET, /* a cache line fetched from another core complex of the same socket */
     SIM_COST_LINE_CROSS,  /* a cache line fetched from a core of the other socket */
     SIM_COST_REFILL,      /* refilling a moved thread's cache */
     SIM_COST_BALANCE,     /* how long the modeled scheduler leaves an unpinned thread on one core */

@@ -16,10 +16,13 @@
  * that every entry has a source and that docs/model.md lists it with the same value. */
 const struct sim_cost sim_costs[SIM_COSTS] = {
     /* One write's host cost on EFA: fi_rma_bw on one p5 NIC (../shared/reference/figures.md) moves 0.75-0.81 M
-     * writes/s up to 4 KiB, one thread posting and reading one completion per fi_cq_read: 1/0.8 M = 1250 ns
-     * for post + doorbell + a read that returns its completion. No published figure splits it: the model
-     * gives the doorbell UCX's figure and the rest half to the post, half to the read, and half of the
-     * read's to the pass over the queue (what an empty read costs too) and half to handling the entry. */
+     * writes/s up to 4 KiB, one thread: 1/0.8 M = 1250 ns a write. Up to EFA's inject size (4 KiB) fabtests
+     * posts them with fi_inject_write (fabtests/benchmarks/benchmark_shared.c, bandwidth_rma), so the
+     * figure holds the post, its doorbell and the provider's own progress that reaps the write's completion
+     * on the device, not the application's read of a completion entry, which the model charges at the same
+     * price as that progress. No published figure splits it: the model gives the doorbell UCX's figure and
+     * the rest half to the post, half to the read, and half of the read's to the pass over the queue (what
+     * an empty read costs too) and half to handling the entry. */
     [SIM_COST_POST] = {"post", 605, "ns", "fi_rma_bw on one p5 EFA NIC, 0.80 M writes/s up to 4 KiB: (1250 - 40) / 2"},
     [SIM_COST_DOORBELL] = {"doorbell", 40, "ns",
                            "UCX's cost model for a doorbell (db:40ns, src/uct/ib/base/ib_iface.h)"},
@@ -29,16 +32,23 @@ const struct sim_cost sim_costs[SIM_COSTS] = {
     [SIM_COST_ENTRY] = {"completion", 303, "ns", "fi_rma_bw on one p5 EFA NIC: the other half of the read's"},
     [SIM_COST_FUTILE] = {"futile post", 302, "ns",
                          "as an empty poll: the endpoint's lock and queue check that end in -FI_EAGAIN (no figure)"},
-    /* The p5's CPUs: 2 x Xeon Platinum 8488C (Sapphire Rapids, 48 cores each) */
-    [SIM_COST_FAR] = {"far socket", 79, "ns",
-                      "Sapphire Rapids idle DRAM latency, remote 193 ns - local 114 ns (Mess benchmark, MareNostrum 5, "
-                      "2 x Xeon 8480+: github.com/bsc-mem/Mess-Results)"},
-    [SIM_COST_LINE_SOCKET] = {"line from a core of the socket", 55, "ns",
-                              "Sapphire Rapids core-to-core latency, median of 630 pairs (Xeon w9-3475X: "
-                              "github.com/KCORES/core-to-core-latency-plus)"},
-    [SIM_COST_LINE_CROSS] = {"line from the other socket", 108, "ns",
-                             "2-socket Xeon core-to-core latency, median across sockets (Ice Lake 8375C, the "
-                             "generation before: github.com/nviennot/core-to-core-latency)"},
+    /* The p5's CPUs: 2 x AMD EPYC 7R13 (Milan, 48 cores each in 6 core complexes of 8 that share an L3;
+     * an AWS p5 reports "AMD EPYC 7R13 Processor" in /proc/cpuinfo: github.com/mlmon/surveyor's example
+     * capture). The line figures are medians of the core-to-core CAS latency matrix measured on an AWS
+     * c6a.metal, 2 x EPYC 7R13 (github.com/nviennot/core-to-core-latency, results/AMD EPYC 7R13
+     * 48-Core Processor.csv; its README gives 23 ns, 107 ns and 197 ns). */
+    [SIM_COST_FAR] = {"far socket", 90, "ns",
+                      "EPYC 7R13 on c6a.metal: a line from the other socket 197 ns - from another core complex of "
+                      "the socket 107 ns, the hop between the sockets (github.com/nviennot/core-to-core-latency)"},
+    [SIM_COST_LINE_CCX] = {"line from a core of the core complex", 23, "ns",
+                           "EPYC 7R13 on c6a.metal: core-to-core latency within a core complex of 8, median "
+                           "(github.com/nviennot/core-to-core-latency)"},
+    [SIM_COST_LINE_SOCKET] = {"line from another core complex of the socket", 107, "ns",
+                              "EPYC 7R13 on c6a.metal: core-to-core latency across core complexes of the first "
+                              "socket, median (github.com/nviennot/core-to-core-latency)"},
+    [SIM_COST_LINE_CROSS] = {"line from the other socket", 197, "ns",
+                             "EPYC 7R13 on c6a.metal: core-to-core latency across the sockets, median "
+                             "(github.com/nviennot/core-to-core-latency)"},
     [SIM_COST_REFILL] = {"cache refill after a move", 10000, "ns",
                          "a context switch's cost with its cache refill, about 10 us (T. Downs, A Concurrency Cost "
                          "Hierarchy, 2020)"},
@@ -48,6 +58,7 @@ const struct sim_cost sim_costs[SIM_COSTS] = {
 };
 
 #define SIM_HOST_CORES 96      /* the recorded p5: 2 sockets of 48 cores (fabriclab.recorded, chapter 8) */
+#define SIM_HOST_CCX_CORES 8   /* an EPYC 7R13's core complex: cores 0-7, 8-15, ... share an L3 */
 #define SIM_HOST_GROUPS 8      /* GPU groups, 4 per socket, each with its NICs and 12 cores */
 #define SIM_GAP_CHECK_NS 20000 /* a gap between calls longer than this is checked against the CPU clock */
 #define SIM_LINES 256          /* shared lines the model follows */
@@ -89,6 +100,7 @@ static uint64_t next_random(uint64_t *state) {
 }
 
 static int socket_of_core(int core) { return core * 2 / SIM_HOST_CORES; }
+static int ccx_of_core(int core) { return core / SIM_HOST_CCX_CORES; }
 
 /* A NIC's socket: the recorded p5's GPU groups 0-3 (and their NICs) hang off socket 0, 4-7 off socket 1. */
 static int socket_of_nic(int nic) {
@@ -268,8 +280,9 @@ static struct sim_line *line_of(uintptr_t key, uint64_t wall) {
 /* The thread read or wrote a line other threads write: where one of them wrote it last it comes from that
  * core. Threads that share a line each write it about as often (every thread runs the same loop), so
  * between two accesses of one thread another has written it: each access fetches the line, from a core
- * of the same socket or of the other, in the proportion of the sharers there. Judged by who shares the
- * line, never by how the threads happened to interleave on this box. */
+ * of the same core complex, of another complex of the socket or of the other socket, in the proportion
+ * of the sharers there. Judged by who shares the line, never by how the threads happened to interleave on
+ * this box. */
 static void charge_line(struct sim_thread *me, const volatile void *address, uint64_t wall) {
     struct sim_line *l = line_of((uintptr_t)address >> 6, wall);
     if (!l) return;
@@ -285,7 +298,8 @@ static void charge_line(struct sim_thread *me, const volatile void *address, uin
         if (!serial || serial == me->serial || wall - seen > SIM_SHARER_ACTIVE_NS) continue;
         int core = atomic_load_explicit(&s->core, memory_order_relaxed);
         moves++;
-        sum += core == me->core ? 0
+        sum += core == me->core                                   ? 0
+               : ccx_of_core(core) == ccx_of_core(me->core)       ? cost(SIM_COST_LINE_CCX)
                : socket_of_core(core) == socket_of_core(me->core) ? cost(SIM_COST_LINE_SOCKET)
                                                                   : cost(SIM_COST_LINE_CROSS);
     }
