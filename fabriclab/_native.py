@@ -50,7 +50,7 @@ def lane_imm(lane: int) -> int:
     """The immediate data of writes into landing lane ``lane``."""
     return (lane << lib.FL_IMM_VALUE_BITS) | LANDING_VALUE
 # per transfer id, in the array attach_transfers returns: writes still to finish, the first error
-# (negative), and writes given up on that the provider may still be reading
+# (negative), writes given up on that the provider may still be reading, and callers looking for its end
 TRANSFER_FIELDS = lib.FL_TRANSFER_FIELDS
 WAIT_BATCH = 1024  # finished transfer ids one wait() hands back at most
 # Native engines that threads stuck inside a provider call still use (fl_service_stop left them
@@ -70,8 +70,49 @@ def route_descriptors(registrations: list[memory.Registration]) -> list[int]:
     return [int(ffi.cast("uintptr_t", r.mr.desc)) for r in registrations]
 
 
+class Routes:
+    """How a pair (local region, peer's region) is written, as the native engine reads it: per NIC slot our
+    descriptor, the peer's address, base and key (``array``, ROUTE_DTYPE), and the slots the local region's
+    writes leave through (``nic_order``, uint16 slot numbers; None: every slot in turn). Made once per pair;
+    every transfer that uses it keeps it alive (the workers move writes to other NICs through it)."""
+
+    __slots__ = ("array", "nic_order", "_c", "_order_c")
+
+    def __init__(self, array: np.ndarray, nic_order: np.ndarray | None = None) -> None:
+        if nic_order is not None and (not nic_order.size or int(nic_order.max()) >= array.size):
+            raise fi.UsageError(f"NIC order {list(nic_order)} must name slots below {array.size}")
+        self.array, self.nic_order = array, nic_order
+        self._c = ffi.from_buffer("fl_route[]", array)
+        self._order_c = ffi.NULL if nic_order is None else ffi.from_buffer("uint16_t[]", nic_order)
+
+    def request(self, local_base: int, src: np.ndarray | list[int], dst: np.ndarray | list[int],
+                stride: int, lengths: np.ndarray | list[int] | int, imm: int, first_nic: int,
+                pages_in_imm: bool = False) -> Request:
+        """A request of ``len(src)`` writes: write i moves ``lengths[i]`` bytes (``lengths`` bytes when it is one
+        integer) from ``local_base + src[i] * stride`` to ``dst[i] * stride`` of the peer's region, over NIC
+        slot ``(first_nic + i) % nics`` (or the slot ``nic_order`` names there) through these routes.
+        Every write carries ``imm`` (NO_IMM when the caller gave none); with ``pages_in_imm``, also how many
+        pages (``lengths[i] // stride``) it moves, which the target counts. A few writes may come as lists of
+        Python ints (no numpy work)."""
+        uniform = isinstance(lengths, (int, np.integer))
+        if isinstance(src, list):
+            src_c, dst_c = ffi.new("int64_t[]", src), ffi.new("int64_t[]", dst)
+            lengths_c = ffi.NULL if uniform else ffi.new("uint64_t[]", lengths)
+        else:
+            src, dst = np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64)
+            src_c, dst_c = ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst)
+            lengths_c = ffi.NULL if uniform else ffi.from_buffer("uint64_t[]",
+                                                                  np.ascontiguousarray(lengths, np.uint64))
+        c = ffi.new("fl_request *")
+        c.routes, c.local_base, c.src, c.dst, c.stride = self._c, local_base, src_c, dst_c, stride
+        c.lengths, c.length, c.count, c.imm = lengths_c, lengths if uniform else 0, len(src), imm
+        c.first_nic, c.pages_in_imm, c.nic_order = first_nic, int(pages_in_imm), self._order_c
+        c.nic_count = 0 if self.nic_order is None else self.nic_order.size
+        return Request(c, (src_c, dst_c, lengths_c, self))
+
+
 class Request:
-    """One request as the service takes it (made by :meth:`NativeEngine.request`). The native struct points
+    """One request as the service takes it (made by :meth:`Routes.request`). The native struct points
     into the arrays it was made from, so it keeps them alive."""
 
     __slots__ = ("_c", "_keep")
@@ -238,31 +279,6 @@ class NativeEngine:
         if lib.fl_service_start(e, cfg) != 0:
             raise fi.FabricError("fl_service_start", e.error_code, message=self.error)
 
-    def request(self, routes: np.ndarray, local_base: int, src: np.ndarray, dst: np.ndarray, stride: int,
-                lengths, imm: int, first_nic: int, pages_in_imm: bool = False,
-                nic_order: np.ndarray | None = None) -> Request:
-        """A request of ``len(src)`` writes: write i moves ``lengths[i]`` bytes (``lengths`` bytes when it is one
-        integer) from ``local_base + src[i] * stride`` to ``dst[i] * stride`` of the peer's region, over NIC
-        slot ``(first_nic + i) % nics`` through ``routes`` (ROUTE_DTYPE, one per slot, which must stay alive
-        until the transfer is done: the workers move writes to other NICs through it). Every write carries
-        ``imm`` (NO_IMM when the caller gave none); with ``pages_in_imm``, also how many pages (``lengths[i] //
-        stride``) it moves, which the target counts. ``nic_order`` (uint16 slot indices below the number of
-        slots): write i goes over slot ``nic_order[(first_nic + i) % len(nic_order)]`` instead."""
-        uniform = np.isscalar(lengths)
-        src, dst = np.ascontiguousarray(src, dtype=np.int64), np.ascontiguousarray(dst, dtype=np.int64)
-        src_c, dst_c = ffi.from_buffer("int64_t[]", src), ffi.from_buffer("int64_t[]", dst)
-        lengths_c = ffi.NULL if uniform else ffi.from_buffer("uint64_t[]", np.ascontiguousarray(lengths, np.uint64))
-        routes_c = ffi.from_buffer("fl_route[]", routes)
-        if nic_order is not None and (not nic_order.size or int(nic_order.max()) >= routes.size):
-            raise fi.UsageError(f"NIC order {list(nic_order)} must name slots below {routes.size}")
-        order_c = ffi.NULL if nic_order is None else ffi.from_buffer("uint16_t[]", nic_order)
-        c = ffi.new("fl_request *", {
-            "routes": routes_c, "local_base": local_base, "src": src_c, "dst": dst_c, "stride": stride,
-            "lengths": lengths_c, "length": lengths if uniform else 0, "count": src.size, "imm": imm,
-            "first_nic": first_nic, "pages_in_imm": int(pages_in_imm), "nic_order": order_c,
-            "nic_count": 0 if nic_order is None else nic_order.size})
-        return Request(c, (src_c, dst_c, lengths_c, routes_c, order_c))
-
     def submit(self, request: Request, transfer: int, start: int = 0) -> int:
         """Queue writes ``[start, count)`` of ``request``, counted against transfer id ``transfer``, to the
         worker threads. Returns how many were taken: fewer when their inboxes are full (submit the rest
@@ -281,6 +297,12 @@ class NativeEngine:
         One waiting thread at a time."""
         got = lib.fl_service_wait(self._ptr, self._finished, WAIT_BATCH, timeout)
         return ffi.unpack(self._finished, got)
+
+    def wait_transfer(self, transfer: int, seconds: float) -> bool:
+        """Look, on the calling thread and without the GIL, up to ``seconds`` for transfer id ``transfer`` to
+        finish (every write reported): True once it did. While a caller looks, its end does not wake
+        :meth:`wait`'s thread: a True answer leaves the settling to the caller."""
+        return bool(lib.fl_transfer_wait(self._ptr, transfer, seconds))
 
     def wake(self) -> None:
         """End the current :meth:`wait` now: something other than a transfer needs the waiter's attention."""

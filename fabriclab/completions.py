@@ -59,7 +59,7 @@ class Completions:
         # A transfer id is free again only once the native engine has reported every write of it finished
         # and none it gave up on still posted: until then the engine may count writes against it.
         self.free_ids = list(range(TRANSFER_SLOTS - 1, -1, -1))
-        self.in_use: dict[int, tuple[Transfer, RegionState, np.ndarray]] = {}
+        self.in_use: dict[int, tuple[Transfer, RegionState, _native.Routes]] = {}
         self.expectations: list[Expectation] = []
         # immediate data not counted and values dropped, as last warned of; when
         self.lost_warned = (0, 0, -LOST_WARNING_S)
@@ -79,21 +79,29 @@ class Completions:
 
     def counters(self, tid: int) -> tuple[int, int, int]:
         """(writes left, first error, abandoned writes still posted) of transfer id ``tid``."""
-        fields = _native.TRANSFER_FIELDS
-        left, error, abandoned = self.transfers[fields * tid:fields * (tid + 1)]
-        return int(left), int(error), int(abandoned)
+        at = _native.TRANSFER_FIELDS * tid
+        left, error, abandoned = self.transfers[at:at + 3].tolist()
+        return left, error, abandoned
 
-    def track(self, transfer: Transfer, state: RegionState, routes: np.ndarray) -> int:
+    def track(self, transfer: Transfer, state: RegionState, routes: _native.Routes) -> int:
         """A transfer id for ``transfer`` (its writes counted from now); the caller holds the lock."""
         if not self.free_ids:
             raise TransferError("too many transfers in flight", buffer_safe=True)
         tid = self.free_ids.pop()
         fields = _native.TRANSFER_FIELDS
-        self.transfers[fields * tid:fields * (tid + 1)] = (transfer.writes, 0, 0)
+        self.transfers[fields * tid:fields * (tid + 1)] = (transfer.writes, 0, 0, 0)
         self.in_use[tid] = (transfer, state, routes)
         state.in_use += 1
         self.deadline(transfer.deadline)
         return tid
+
+    def finish_here(self, tid: int, transfer: Transfer, seconds: float) -> None:
+        """The caller waits for ``transfer`` (id ``tid``): look for its end on the caller's thread for up to
+        ``seconds`` and settle it there, which saves waking the reaper and a hand-over between threads; where
+        it has not ended by then, the reaper settles it as usual."""
+        entry = self.in_use.get(tid)
+        if entry is not None and entry[0] is transfer and self.native.wait_transfer(tid, seconds):
+            self._settle(tid)
 
     def deadline(self, when: float) -> None:
         """The reaper looks again by ``when``; the caller holds the lock."""
@@ -121,17 +129,15 @@ class Completions:
             self.next_deadline = 0.0
         self.native.wake()
 
-    def fail_all(self) -> list[tuple[Transfer, RegionState, np.ndarray]]:
+    def fail_all(self) -> list[tuple[Transfer, RegionState, _native.Routes]]:
         """The engine closed: fail every pending transfer and expectation (the caller holds the lock). Returns
         the transfers that were in flight: a stuck worker may still read their buffers and routes."""
         unfinished = list(self.in_use.values())
         for tid, (transfer, _, _) in self.in_use.items():
             left, _, abandoned = self.counters(tid)
             safe = left <= 0 and abandoned <= 0
-            if not transfer.done():
-                transfer.set_exception(TransferError(f"the engine was closed with {left} of {transfer.writes} "
-                                                     "writes of the transfer unfinished", buffer_safe=safe,
-                                                     safety=transfer._safety))
+            transfer._fail(TransferError(f"the engine was closed with {left} of {transfer.writes} writes of the "
+                                         "transfer unfinished", buffer_safe=safe, safety=transfer._safety))
             transfer._safety.settle(safe)
         self.in_use.clear()
         for _, _, future, _ in self.expectations:
@@ -195,23 +201,24 @@ class Completions:
                                                    buffer_safe=expectation, about_buffer=not expectation))
 
     def _settle(self, tid: int) -> None:
-        """The engine reported transfer ``tid``: resolve its future once every write finished; free the id
-        once, in addition, no write it gave up on is still posted (then the buffer is safe)."""
+        """Transfer ``tid`` was reported (to the reaper, or to a caller that looked for it): resolve its future
+        once every write finished; free the id once, in addition, no write it gave up on is still posted (then
+        the buffer is safe). Both threads may settle one id at once: the lock lets one free it."""
         with self.lock:
             entry = self.in_use.get(tid)
-        if entry is None:
-            return  # reported twice; already settled
-        transfer, state, _ = entry
-        left, error, abandoned = self.counters(tid)
-        if left > 0:
-            return
-        if not transfer.done():
-            self._resolve(transfer, state, error, safe=abandoned == 0)
-        if abandoned == 0:
-            with self.lock:
-                self.in_use.pop(tid, None)
+            if entry is None:
+                return  # reported twice; already settled
+            left, error, abandoned = self.counters(tid)
+            if left > 0:
+                return
+            transfer, state, _ = entry
+            free = abandoned == 0
+            if free:
+                del self.in_use[tid]
                 state.in_use -= 1
                 self.free_ids.append(tid)
+        self._resolve(transfer, state, error, safe=free)
+        if free:
             transfer._safety.settle(True)
 
     def _check_expectation(self, item: Expectation, now: float) -> None:
@@ -270,8 +277,8 @@ class Completions:
             if process not in gone:
                 gone[process] = shmclean.process_is_gone(*process)
             left = self.counters(tid)[0]
-            if gone[process] and left > 0 and not transfer.done():
-                transfer.set_exception(PeerLost(
+            if gone[process] and left > 0:
+                transfer._fail(PeerLost(
                     f"the peer's process (pid {process[1]}, on this host) is gone: {left} of {transfer.writes} "
                     "writes of the transfer can never complete", buffer_safe=False, safety=transfer._safety))
 
@@ -297,18 +304,20 @@ class Completions:
             return
         safety = transfer._safety
         if error:
-            transfer.set_exception(write_failure(error, self.link_timeout, safe, safety))
+            transfer._fail(write_failure(error, self.link_timeout, safe, safety))
         elif expired and state.closed:
-            transfer.set_exception(RegionClosed("the region was closed while the transfer used it", buffer_safe=safe,
-                                                safety=safety))
+            transfer._fail(RegionClosed("the region was closed while the transfer used it", buffer_safe=safe,
+                                        safety=safety))
         elif expired:
-            transfer.set_exception(TransferTimeout(f"{left} of {transfer.writes} writes had not completed by the "
-                                                   "deadline (peer gone or stalled?)", buffer_safe=safe, safety=safety))
+            transfer._fail(TransferTimeout(f"{left} of {transfer.writes} writes had not completed by the deadline "
+                                           "(peer gone or stalled?)", buffer_safe=safe, safety=safety))
         else:
             transfer._succeed()
 
     def _retire_regions(self) -> None:
         """Deregister closed regions once no write can still touch them."""
+        if not self.retired_regions:  # the common case, without the lock: a region retired now is seen next turn
+            return
         with self.lock:
             ready = [r for r in self.retired_regions if r.in_use <= 0]
             self.retired_regions = [r for r in self.retired_regions if r.in_use > 0]

@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import weakref
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -41,7 +42,7 @@ from .config import EngineConfig
 from .errors import (FabriclabError, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed, StagingFailed,
                      TransferError, TransferTimeout, UsageError, WriteRejected, bad_address, closed_here)
 from .nics import host_identity, same_host_path
-from .pages import as_pages, coalesce_pages, first_overlap, first_repeat
+from .pages import checked_pages, first_overlap, page_runs
 from .service import CLOSED_HERE, DEFAULT_STRIPE, Service
 from .transfer import Transfer, TransferResult
 from .wire import IpcRoute, PeerRegion, decode_address, decode_region, encode_address, encode_landing, encode_region
@@ -235,6 +236,7 @@ class Peer:
         self.closed = False
         self._gone = ""  # why the engine closed this Peer itself (its peer's process is gone)
         self._running: list[Transfer] = []  # transfers submitted, maybe not done: they need its entries
+        self._prune_at = 32  # the length of _running at which the finished ones are dropped
         for slot in service.nics.slots:
             try:
                 self.fi_addrs.append(service.entries.entry(slot, addresses[self.remote_slot[slot.index]]))
@@ -247,22 +249,23 @@ class Peer:
         service.peers.add(self)
         self._next_nic = 0
         self._parsed: dict[bytes, PeerRegion] = {}
-        self._routes: dict[tuple[int, int], np.ndarray] = {}
+        self._routes: dict[tuple[int, int], _native.Routes] = {}
         self._fi_addrs = np.asarray(self.fi_addrs, dtype=np.uint64)
         self._remote_slots = np.asarray(self.remote_slot, dtype=np.int64)
 
-    def _routes_to(self, region: Region, remote: PeerRegion) -> np.ndarray:
+    def _routes_to(self, region: Region, remote: PeerRegion) -> _native.Routes:
         """Per NIC: our descriptor of ``region``, the peer's address and its base and key for ``remote`` —
-        what the engine needs to post a write, or to move it to another NIC. Kept alive by every transfer
-        that uses it."""
+        what the engine needs to post a write, or to move it to another NIC. Made once per pair; kept alive
+        by every transfer that uses it."""
         key = (region.id, remote.region_id)
         routes = self._routes.get(key)
         if routes is None:
-            routes = np.empty(len(self.fi_addrs), dtype=_native.ROUTE_DTYPE)
-            routes["desc"] = region._descs
-            routes["dest"] = self._fi_addrs
-            routes["remote_base"] = np.asarray(remote.bases, dtype=np.uint64)[self._remote_slots]
-            routes["rkey"] = np.asarray(remote.keys, dtype=np.uint64)[self._remote_slots]
+            array = np.empty(len(self.fi_addrs), dtype=_native.ROUTE_DTYPE)
+            array["desc"] = region._descs
+            array["dest"] = self._fi_addrs
+            array["remote_base"] = np.asarray(remote.bases, dtype=np.uint64)[self._remote_slots]
+            array["rkey"] = np.asarray(remote.keys, dtype=np.uint64)[self._remote_slots]
+            routes = _native.Routes(array, region._nic_order)
             if len(self._routes) >= 256:
                 self._routes.clear()
             self._routes[key] = routes
@@ -331,34 +334,56 @@ class Peer:
         remote = self._remote(remote_descriptor)
         _check_region(local_region)
         page_size = fi.integer(page_size, "page_size", 1)
-        src, dst = as_pages(src_pages, "local"), as_pages(dst_pages, "remote")
-        if src.size != dst.size or src.size == 0:
-            raise fi.UsageError(f"{src.size} source pages but {dst.size} destination pages")
-        for pages, region_length, side in ((src, local_region.length, "local"), (dst, remote.length, "remote")):
-            last = region_length // page_size
-            if pages.min() < 0 or pages.max() >= last:
-                bad = pages[(pages < 0) | (pages >= last)][0]
-                raise OutOfRange(f"{side} page {bad} is outside the {last} whole {page_size}-byte pages of the "
-                                 f"{side} region")
-        repeated = first_repeat(dst)
-        if repeated is not None:
-            i, j = np.flatnonzero(dst == repeated)[:2]
-            raise fi.UsageError(f"source pages {src[i]} and {src[j]} are both written to destination page {repeated}: "
-                                "the writes of a transfer run in no order, so which lands would depend on timing. "
-                                "Name each destination page once (one transfer after the other where a page is "
-                                "written twice)")
-        _refuse_overlap(local_region, remote, src, dst, page_size, pages=True)
+        src, dst = self._checked(local_region, remote, src_pages, dst_pages, page_size)
+        return self._submit_pages(local_region, remote, src, dst, page_size, imm, timeout)
+
+    def write_batch(self, local_region: Region, requests: Sequence[tuple[Any, ...]],
+                    remote_descriptor: bytes | PeerRegion, page_size: int,
+                    timeout: float | None = None) -> list[Transfer]:
+        """Many :meth:`write_pages` in one call, a Transfer each, in order: ``requests`` holds
+        ``(src_pages, dst_pages)`` or ``(src_pages, dst_pages, imm)``. Every request is checked before any is
+        submitted, so a bad one refuses the batch and nothing moves (its index is in the error); once
+        submitting, a failure (the engine closed, its queues full past the timeout) leaves the transfers
+        before it running, and raises."""
+        remote = self._remote(remote_descriptor)
+        _check_region(local_region)
+        page_size = fi.integer(page_size, "page_size", 1)
+        checked = []
+        for i, request in enumerate(requests):
+            if not isinstance(request, tuple) or len(request) not in (2, 3):
+                raise fi.UsageError(f"request {i} must be (src_pages, dst_pages) or (src_pages, dst_pages, imm), "
+                                    f"got {type(request).__name__}")
+            imm = request[2] if len(request) == 3 else None
+            try:
+                if imm is not None:
+                    fi.integer(imm, "imm", 0, _native.MAX_IMM)
+                checked.append((*self._checked(local_region, remote, request[0], request[1], page_size), imm))
+            except FabriclabError as exc:
+                raise type(exc)(f"request {i}: {exc}") from None
+        return [self._submit_pages(local_region, remote, src, dst, page_size, imm, timeout)
+                for src, dst, imm in checked]
+
+    def _checked(self, local_region: Region, remote: PeerRegion, src_pages: Any, dst_pages: Any,
+                 page_size: int) -> tuple[Any, Any]:
+        """The page lists of a write_pages, checked (pages.checked_pages), and no source page overlapping a
+        destination page where both are memory of this process."""
+        src, dst = checked_pages(src_pages, dst_pages, local_region.length, remote.length, page_size)
+        if Region._of(remote) is not None:  # only memory of this process can be seen
+            _refuse_overlap(local_region, remote, np.asarray(src), np.asarray(dst), page_size, pages=True)
+        return src, dst
+
+    def _submit_pages(self, local_region: Region, remote: PeerRegion, src: Any, dst: Any, page_size: int,
+                      imm: int | None, timeout: float | None) -> Transfer:
+        """Submit checked page lists down the pair's path: the GPU's copy (cuda-ipc), or the NICs' writes."""
         service = self.engine._service
         if remote.ipc is not None and service.ipc.route(self, local_region, remote)[0]:  # the GPU copies pages whole
-            return self._track(service.submit(self, local_region, remote, src, dst, page_size, page_size, imm, timeout))
+            return self._track(service.submit(self, local_region, remote, np.asarray(src), np.asarray(dst), page_size,
+                                              page_size, imm, timeout))
         # a staged region's writes leave from pool chunks, and land in lanes, one per page: no runs to join
-        most = 1 if local_region.staged or remote.landing else service.pages_per_write(src.size, page_size)
-        src, dst, runs = coalesce_pages(src, dst, most)
-        lengths = runs * np.uint64(page_size)
-        # one length for every write (a permuted list: one page each) goes as one number
-        uniform = int(lengths[0]) if lengths.min() == lengths.max() else lengths
-        return self._track(service.submit(self, local_region, remote, src, dst, page_size, uniform, imm, timeout,
-                                          pages=int(runs.sum())))
+        most = 1 if local_region.staged or remote.landing else service.pages_per_write(len(src), page_size)
+        firsts_src, firsts_dst, lengths, pages = page_runs(src, dst, most, page_size)
+        return self._track(service.submit(self, local_region, remote, firsts_src, firsts_dst, page_size, lengths, imm,
+                                          timeout, pages=pages))
 
     def route(self, local_region: Region, remote_descriptor: bytes | PeerRegion) -> tuple[str, str]:
         """How writes from ``local_region`` into the peer's region go: ("cuda-ipc", "") where the GPU copies
@@ -370,8 +395,9 @@ class Peer:
 
     def _track(self, transfer: Transfer) -> Transfer:
         """Note a transfer submitted through this Peer: its entries stay while one may still post writes."""
-        if len(self._running) >= 32:
+        if len(self._running) >= self._prune_at:  # drop the finished ones, at doubling lengths: O(1) a call
             self._running = [t for t in self._running if not t.done()]
+            self._prune_at = max(32, 2 * len(self._running))
         self._running.append(transfer)
         return transfer
 

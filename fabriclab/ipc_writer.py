@@ -278,7 +278,7 @@ class IpcPath:
         message = None if imm == _native.NO_IMM else control.copied_in(
             service.engine_id, secrets.randbits(64) | 1, remote.region_id, route.key, imm, pages, transfer.bytes)
         item = _Copy(launch, copier, route, transfer, finisher(service, transfer, state, True), message)
-        transfer._finish_here = lambda: self._finish(item)
+        transfer._finish_here = lambda _seconds: self._finish(item)  # the copy's event: it waits for it whole
         with self.lock:
             state.in_use += 1
             service.count_submitted(transfer)

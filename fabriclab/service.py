@@ -93,7 +93,7 @@ def _entries_needed(service: Service, deep: bool) -> set[tuple[int, int]]:
     peer's process, on this host, is gone is closed first (PeerLost for its later writes)."""
     with service.lock:
         needed = {(i, int(dest)) for _, _, routes in service.book.in_use.values() for i, dest in
-                  enumerate(routes["dest"])}
+                  enumerate(routes.array["dest"])}
     for peer in list(service.peers):
         if deep and not peer.closed and peer.process and shmclean.process_is_gone(*peer.process):
             peer._gone = f"the peer's process (pid {peer.process[1]}, on this host) is gone"
@@ -107,6 +107,26 @@ def _stop_at_exit(service: Service) -> bool:
     """At exit (fi.stop_first_at_exit): close, or wait for another thread's close; whether our threads let go."""
     service.close()
     return service.pid != os.getpid() or service._shut.wait(EXIT_WAIT_S)
+
+
+def _hand_over_rest(service: Service, request: _native.Request, tid: int, transfer: Transfer, taken: int) -> None:
+    """Queue the writes of ``request`` from ``taken`` on as the workers' inboxes make room, until the transfer's
+    deadline: then the writes never handed over count as finished (they never will), and it fails."""
+    n = transfer.writes
+    while taken < n:
+        time.sleep(0.0002)
+        with service.lock:  # close() frees the native engine under this lock, once it is closed
+            if not service.closed:
+                taken += service.native.submit(request, tid, taken)
+        if taken < n and (time.monotonic() > transfer.deadline or service.closed or service.native.stopping):
+            why = "the engine was closed" if service.closed else "the engine's queues stayed full"
+            failure = TransferTimeout(f"{why}; {n - taken} of {n} writes not queued", buffer_safe=taken == 0,
+                                      safety=transfer._safety)
+            with service.lock:
+                if not service.closed:
+                    service.native.release_writes(tid, n - taken)
+            transfer._fail(failure)  # unless close() failed it already
+            raise failure
 
 
 class Service:
@@ -233,12 +253,29 @@ class Service:
         largest = min(DEFAULT_STRIPE, self.max_msg_size) // page_size
         return max(1, min(every_nic, largest, int(_native.MAX_PAGES_PER_WRITE)))
 
-    def submit(self, peer: Peer, region: Region, remote: PeerRegion, src: np.ndarray, dst: np.ndarray, stride: int,
-               lengths: np.ndarray | int, imm: int | None, timeout: float | None,
-               pages: int | None = None) -> Transfer:
+    def submit(self, peer: Peer, region: Region, remote: PeerRegion, src: np.ndarray | list[int],
+               dst: np.ndarray | list[int], stride: int, lengths: np.ndarray | list[int] | int, imm: int | None,
+               timeout: float | None, pages: int | None = None) -> Transfer:
         """Hand one request to the native engine (it builds the writes and stripes them over the NICs) and
         track its future. Write i moves lengths[i] (or ``lengths`` bytes) from src[i] * stride of the
-        region to dst[i] * stride of the peer's."""
+        region to dst[i] * stride of the peer's. A few writes may come as lists of Python ints."""
+        wire_imm, seconds = self.admit(peer, region, imm, timeout)
+        through_ipc = remote.ipc is not None and self.ipc.route(peer, region, remote)[0]
+        if not (through_ipc or remote.landing is not None or region.staged):
+            return self.post(peer, region, remote, src, dst, stride, lengths, wire_imm, seconds, pages)
+        # the GPU's copies and the staged paths take arrays
+        starts, ends = np.asarray(src, dtype=np.int64) * stride, np.asarray(dst, dtype=np.int64) * stride
+        sizes = lengths if isinstance(lengths, int) else np.asarray(lengths, dtype=np.uint64)
+        if through_ipc:
+            return self.ipc.submit(peer, region, remote, starts.astype(np.uint64), ends.astype(np.uint64), sizes,
+                                   wire_imm, seconds, starts.size if pages is None else pages)
+        if remote.landing is not None:
+            return staged.submit_landing(self, peer, region, remote, starts, ends, sizes, wire_imm, seconds)
+        return staged.submit_staged(self, peer, region, remote, starts, ends, sizes, wire_imm, seconds)
+
+    def admit(self, peer: Peer, region: Region, imm: int | None, timeout: float | None) -> tuple[int, float]:
+        """Check that a transfer from ``region`` to ``peer`` may start; its immediate data as it goes on the
+        wire (NO_IMM where the caller gave none) and its timeout in seconds."""
         self.check_open()
         region._check_open()
         if peer.closed:
@@ -249,21 +286,10 @@ class Service:
             raise closed_here("the peer engine")
         if region.engine._service is not self:
             raise fi.UsageError("that region was registered with another engine")
-        wire_imm = _native.NO_IMM if imm is None else fi.integer(imm, "imm", 0, _native.MAX_IMM)
-        seconds = fi.seconds(timeout, "timeout", self.timeout)
         if region.path == "host-staged":
             raise fi.UsageError(f"region {region.id} is host memory staged on purpose (a test switch): a target only")
-        if remote.ipc is not None and self.ipc.route(peer, region, remote)[0]:
-            return self.ipc.submit(peer, region, remote, src.astype(np.uint64) * np.uint64(stride),
-                                   dst.astype(np.uint64) * np.uint64(stride), lengths, wire_imm, seconds,
-                                   src.size if pages is None else pages)
-        if remote.landing is not None:
-            return staged.submit_landing(self, peer, region, remote, src.astype(np.int64) * stride,
-                                         dst.astype(np.int64) * stride, lengths, wire_imm, seconds)
-        if region.staged:
-            return staged.submit_staged(self, peer, region, remote, src.astype(np.int64) * stride,
-                                        dst.astype(np.int64) * stride, lengths, wire_imm, seconds)
-        return self.post(peer, region, remote, src, dst, stride, lengths, wire_imm, seconds, pages)
+        wire_imm = _native.NO_IMM if imm is None else fi.integer(imm, "imm", 0, _native.MAX_IMM)
+        return wire_imm, fi.seconds(timeout, "timeout", self.timeout)
 
     def count_submitted(self, transfer: Transfer) -> None:
         """Count a transfer in ``stats()["submitted"]``; the caller holds the lock."""
@@ -271,42 +297,32 @@ class Service:
         self.submitted["pages"] += transfer.pages
         self.submitted["writes"] += transfer.writes
 
-    def post(self, peer: Peer, region: Region, remote: PeerRegion, src: np.ndarray, dst: np.ndarray, stride: int,
-             lengths: np.ndarray | int, imm: int, timeout: float, pages: int | None = None) -> Transfer:
+    def post(self, peer: Peer, region: Region, remote: PeerRegion, src: np.ndarray | list[int],
+             dst: np.ndarray | list[int], stride: int, lengths: np.ndarray | list[int] | int, imm: int, timeout: float,
+             pages: int | None = None) -> Transfer:
         """:meth:`submit` of a region registered with the NICs, its input checked: ``imm`` as it goes on the
-        wire (NO_IMM, a caller's value, or a landing lane's)."""
-        n = src.size
-        nbytes = n * lengths if isinstance(lengths, int) else int(lengths.sum())
+        wire (NO_IMM, a caller's value, or a landing lane's). A few writes may come as lists of ints."""
+        n = len(src)
+        nbytes = n * lengths if isinstance(lengths, int) else int(sum(lengths) if isinstance(lengths, list)
+                                                                   else lengths.sum())
         deadline = time.monotonic() + timeout
         transfer = Transfer(n, nbytes, deadline, Safety(self.timeout), pages)
         transfer._peer_process = peer.process
         routes = peer._routes_to(region, remote)
         # Every write carries immediate data (a reserved value when the caller gave none), so the peer's
         # worker threads see traffic arrive and keep polling: software providers need the target to poll.
-        request = self.native.request(routes, region.pointer, src, dst, stride, lengths, imm, peer._next_nic,
-                                      pages_in_imm=pages is not None, nic_order=region._nic_order)
+        request = routes.request(region.pointer, src, dst, stride, lengths, imm, peer._next_nic,
+                                 pages_in_imm=pages is not None)
         peer._next_nic = (peer._next_nic + n) % len(peer.fi_addrs)
-        with self.lock:
+        taken = 0
+        with self.lock:  # close() frees the native engine under this lock, once it is closed
             tid = self.book.track(transfer, region._state, routes)
             self.count_submitted(transfer)
-        taken = 0
-        while taken < n:
-            with self.lock:  # close() frees the native engine under this lock, once it is closed
-                if not self.closed:
-                    taken += self.native.submit(request, tid, taken)
-            if taken < n:
-                if time.monotonic() > deadline or self.closed or self.native.stopping:
-                    why = "the engine was closed" if self.closed else "the engine's queues stayed full"
-                    failure = TransferTimeout(f"{why}; {n - taken} of {n} writes not queued",
-                                              buffer_safe=taken == 0, safety=transfer._safety)
-                    with self.lock:
-                        if not self.closed:
-                            # writes never handed over will never complete: the engine counts them as finished
-                            self.native.release_writes(tid, n - taken)
-                    if not transfer.done():  # close() may have failed it already
-                        transfer.set_exception(failure)
-                    raise failure
-                time.sleep(0.0002)
+            if not self.closed:
+                taken = self.native.submit(request, tid, 0)
+        transfer._finish_here = functools.partial(self.book.finish_here, tid, transfer)
+        if taken < n:
+            _hand_over_rest(self, request, tid, transfer, taken)
         return transfer
 
     def start_staging(self) -> staging.PinnedPool:

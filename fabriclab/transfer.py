@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import numbers
@@ -32,18 +33,25 @@ class TransferResult:
 
 class Safety:
     """When the last write of a transfer stops reading the local buffer; or that nobody will know (the
-    engine closed first)."""
+    engine closed first). Its event exists only once someone waits (most transfers are never asked)."""
+
+    _guard = threading.Lock()  # held for a few steps only: whether a waiter's event exists yet
+
+    __slots__ = ("_state", "_event", "_default_timeout")
 
     def __init__(self, default_timeout: float) -> None:
-        self._cond = threading.Condition()
         self._state: bool | None = None  # True: safe; False: the engine closed before the provider reported all
+        self._event: threading.Event | None = None
         self._default_timeout = default_timeout
 
     def settle(self, safe: bool) -> None:
-        with self._cond:
-            if self._state is None:
-                self._state = safe
-                self._cond.notify_all()
+        with Safety._guard:
+            if self._state is not None:
+                return
+            self._state = safe
+            event = self._event
+        if event is not None:
+            event.set()
 
     @property
     def safe(self) -> bool:
@@ -51,9 +59,13 @@ class Safety:
 
     def wait(self, timeout: float | None) -> bool:
         timeout = fi.seconds(timeout, "timeout", self._default_timeout)
-        with self._cond:
-            self._cond.wait_for(lambda: self._state is not None, timeout)
-            return self._state is True
+        with Safety._guard:
+            if self._state is None and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if self._state is None and event is not None:
+            event.wait(timeout)
+        return self._state is True
 
 
 class _Callbacks:
@@ -123,6 +135,12 @@ def _wait_limit(timeout: Any) -> float | None:
     return float(timeout)
 
 
+# How long a caller waiting for a transfer looks for its end on its own thread before it sleeps until the
+# engine's reaper tells it: about what a few small writes take, so that one waited for costs no hand-over
+# between threads, while a long transfer's caller soon sleeps instead of spinning.
+FINISH_HERE_S = 0.002
+
+
 class Transfer(AwaitableFuture):
     """The future of a TransferResult: wait with result(), add callbacks, or await it under asyncio.
 
@@ -138,23 +156,29 @@ class Transfer(AwaitableFuture):
         self.started = time.perf_counter()
         self._safety = safety
         self._peer_process: tuple[int, int, int] | None = None  # Peer.process of its peer, where known
-        # a path that can finish the transfer on the waiting thread (the GPU copy's event) sets this: result()
-        # and exception() call it first, and save a hand-over between threads
-        self._finish_here: Callable[[], None] | None = None
+        # a path that can finish the transfer on the waiting thread (the NICs' counters, the GPU copy's event)
+        # sets this: result() and exception() call it first with how long they may look (seconds), and save
+        # a hand-over between threads
+        self._finish_here: Callable[[float], None] | None = None
         self.set_running_or_notify_cancel()  # running: cancel() refuses instead of lying
+
+    def _wait_here(self, timeout: float | None) -> float | None:
+        """Let the path finish the transfer on this thread, for up to FINISH_HERE_S of ``timeout``; returns
+        what is left of ``timeout`` for the ordinary wait."""
+        if self._finish_here is None or self.done() or timeout == 0:
+            return timeout
+        started = time.monotonic()
+        self._finish_here(FINISH_HERE_S if timeout is None else min(timeout, FINISH_HERE_S))
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - started))
 
     def result(self, timeout: float | None = None) -> TransferResult:
         """The :class:`TransferResult`, once every write completed (raises the transfer's failure)."""
-        if self._finish_here is not None and not self.done():
-            self._finish_here()
-        result: TransferResult = super().result(timeout)
+        result: TransferResult = super().result(self._wait_here(_wait_limit(timeout)))
         return result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The transfer's failure (None once it succeeded), as ``concurrent.futures.Future.exception``."""
-        if self._finish_here is not None and not self.done():
-            self._finish_here()
-        return super().exception(timeout)
+        return super().exception(self._wait_here(_wait_limit(timeout)))
 
     def wait_safe(self, timeout: float | None = None) -> bool:
         """True once no write of this transfer can still read the local buffer (False if ``timeout``
@@ -162,5 +186,13 @@ class Transfer(AwaitableFuture):
         return self._safety.wait(timeout)
 
     def _succeed(self) -> None:
-        """Every write completed: resolve to a TransferResult timed from the submission."""
-        self.set_result(TransferResult(self.bytes, self.writes, time.perf_counter() - self.started, pages=self.pages))
+        """Every write completed: resolve to a TransferResult timed from the submission (unless another thread
+        of the engine resolved it first)."""
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.set_result(TransferResult(self.bytes, self.writes, time.perf_counter() - self.started,
+                                           pages=self.pages))
+
+    def _fail(self, failure: BaseException) -> None:
+        """Fail it with ``failure``, unless another thread of the engine resolved it first."""
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.set_exception(failure)

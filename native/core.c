@@ -133,17 +133,16 @@ void flc_notify(fl_engine *e, uint32_t finished) {
     pthread_mutex_unlock(&st->done_lock);
 }
 
-#define FLC_LEFT(e, id) (&(e)->service.transfers[FL_TRANSFER_FIELDS * (uint64_t)(id)])
-#define FLC_FIRST_ERROR(e, id) (&(e)->service.transfers[FL_TRANSFER_FIELDS * (uint64_t)(id) + 1])
-#define FLC_ABANDONED(e, id) (&(e)->service.transfers[FL_TRANSFER_FIELDS * (uint64_t)(id) + 2])
 
-static inline int flc_is_transfer(const fl_engine *e, uint32_t transfer) {
-    return transfer != FL_NO_TRANSFER && e->service.transfers && transfer < e->service.transfer_capacity;
-}
-
+/* The transfer's last write finished: the reaper is told, unless a caller is looking for it (fl_transfer_wait).
+ * Sequentially consistent with the caller's looks: either this sees the caller looking, or the caller,
+ * once it stops, sees the count at 0. (A caller that looked at an id as it was handed to another transfer
+ * may leave the count below 0: that counts as nobody looking.) */
 static void flc_transfer_finished_writes(fl_engine *e, uint32_t transfer, int64_t writes) {
     if (!flc_is_transfer(e, transfer) || !writes) return;
-    if (__atomic_sub_fetch(FLC_LEFT(e, transfer), writes, __ATOMIC_ACQ_REL) == 0) flc_notify(e, transfer);
+    if (__atomic_sub_fetch(FLC_LEFT(e, transfer), writes, __ATOMIC_SEQ_CST) == 0 &&
+        __atomic_load_n(FLC_WAITERS(e, transfer), __ATOMIC_SEQ_CST) <= 0)
+        flc_notify(e, transfer);
 }
 
 /* A posted write given up on (its copy went elsewhere, or its transfer failed) may still read the local

@@ -46,7 +46,7 @@ typedef struct fl_op {
 #define FL_OP_FLUSH 8u   /* a zero-byte write without FI_MORE that ends a run whose next write was refused */
 #define FL_NO_TRANSFER 0xffffffffu
 #define FL_NO_IMM 0xffffffffull /* sent when the caller gave none, so targets still see traffic */
-#define FL_TRANSFER_FIELDS 3
+#define FL_TRANSFER_FIELDS 4
 /* The service's immediate data: the caller's value in the low FL_IMM_VALUE_BITS bits and, above them, how
  * many pages the write carries minus one, so that a target counts a write of several coalesced pages as
  * that many (fl_imm_take counts pages). FL_NO_IMM is never a caller's value. */
@@ -133,8 +133,9 @@ typedef struct fl_course_data {
 } fl_course_data;
 
 /* The service's part of an engine (fabriclab.Engine, service.c): per transfer id, FL_TRANSFER_FIELDS
- * counters: writes still to finish, the first error (negative), and writes given up on that the provider
- * may still be reading (a transfer is buffer-safe only once both counts are 0); arrivals carrying immediate
+ * counters: writes still to finish, the first error (negative), writes given up on that the provider
+ * may still be reading (a transfer is buffer-safe only once both counts are 0), and callers looking for
+ * its end themselves (fl_transfer_wait: while one looks, its end wakes nobody); arrivals carrying immediate
  * data are counted per value (imm.h: NULL until fl_imm_attach). */
 typedef struct fl_service_data {
     volatile int64_t *transfers;

@@ -306,6 +306,16 @@ typedef struct rest_state {
     uint64_t quiet_since;   /* when the worker last had anything of its own to do */
 } rest_state;
 FL_INTERNAL void flc_rest_begin(rest_state *r); /* on the worker's thread, before its loop */
+/* A service transfer's counters (core.h, fl_service_data) */
+#define FLC_LEFT(e, id) (&(e)->service.transfers[FL_TRANSFER_FIELDS * (uint64_t)(id)])
+#define FLC_FIRST_ERROR(e, id) (&(e)->service.transfers[FL_TRANSFER_FIELDS * (uint64_t)(id) + 1])
+#define FLC_ABANDONED(e, id) (&(e)->service.transfers[FL_TRANSFER_FIELDS * (uint64_t)(id) + 2])
+#define FLC_WAITERS(e, id) (&(e)->service.transfers[FL_TRANSFER_FIELDS * (uint64_t)(id) + 3])
+
+static inline int flc_is_transfer(const fl_engine *e, uint32_t transfer) {
+    return transfer != FL_NO_TRANSFER && e->service.transfers && transfer < e->service.transfer_capacity;
+}
+
 /* after each pass of the worker's loop: yield, spin on, or nap */
 FL_INTERNAL void flc_rest_after_pass(thread_ctx *t, rest_state *r, int busy, uint32_t outstanding);
 /* worker w was given something to do (writes in its inbox, a park request, the stop): wake it if it rests */

@@ -326,6 +326,7 @@ typedef struct fl_service_config {
 int fl_service_start(fl_engine *e, const fl_service_config *cfg);
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
+int fl_transfer_wait(fl_engine *e, uint32_t transfer, double spin_s);
 void fl_service_wake(fl_engine *e);
 int fl_service_stop(fl_engine *e, double timeout_s);
 static const double FL_STOP_TIMEOUT_S;

@@ -327,6 +327,28 @@ int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s) {
     return got;
 }
 
+int fl_transfer_wait(fl_engine *e, uint32_t transfer, double spin_s) {
+    engine_state *st = e->state;
+    if (!flc_is_transfer(e, transfer) || !flc_enter_service(st)) return 0;
+    volatile int64_t *left = FLC_LEFT(e, transfer), *waiters = FLC_WAITERS(e, transfer);
+    __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    uint64_t until = fl_now_ns() + (uint64_t)(spin_s > 0 ? spin_s * 1e9 : 0);
+    int done = 0;
+    for (;;) {
+        if (__atomic_load_n(left, __ATOMIC_SEQ_CST) <= 0) {
+            done = 1;
+            break;
+        }
+        if (atomic_load(&st->closing) || fl_now_ns() > until) break;
+        sched_yield(); /* the workers that finish it may need this core (and the peer's, on a small box) */
+    }
+    __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    /* it may have finished as the caller stopped looking, the worker still seeing it look: nobody was told */
+    if (!done && __atomic_load_n(left, __ATOMIC_SEQ_CST) <= 0) done = 1;
+    flc_leave_service(st);
+    return done;
+}
+
 void fl_service_wake(fl_engine *e) {
     engine_state *st = e->state;
     if (!flc_enter_service(st)) return;

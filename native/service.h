@@ -48,6 +48,11 @@ uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
  * `ids` (at most max) and returns how many. Returns early, with 0, on fl_service_wake or when
  * immediate data arrives while e->imm_watch is set. Call without holding Python's GIL. */
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
+/* The calling thread looks for the end of `transfer` itself, up to spin_s (yielding its core between looks):
+ * 1 once every write of it finished (the caller then settles it; nobody else was told, unless writes it
+ * gave up on are still posted), 0 when the time ran out or the service is stopping (the reaper is told as
+ * usual). Call without holding Python's GIL. */
+int fl_transfer_wait(fl_engine *e, uint32_t transfer, double spin_s);
 void fl_service_wake(fl_engine *e);
 /* Stop the workers and wait up to timeout_s for them, and for callers of fl_service_submit, _wait, _wake
  * and fl_worker_park, to leave; then free what fl_service_start allocated. Returns 0, or how many threads

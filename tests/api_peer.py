@@ -3,6 +3,7 @@
     python tests/api_peer.py PROVIDER DOMAIN SIZE [--hex] [--staged-host [--small-pool]] [--threads=N]
 prints its bootstrap port, swaps (address, descriptor) with the test over it, then answers commands
 read from stdin, one per line: "expect IMM COUNT TIMEOUT" -> "landed COUNT sha256=..." (or "timeout"),
+"expect-each FIRST LAST TIMEOUT" (one page carrying each value of FIRST..LAST-1) -> "landed N sha256=...",
 "digest", "count BYTE" -> how many bytes of the buffer hold that value, "stats KEY" -> engine.stats()[KEY] as
 JSON, "close-region" (closes the
 region, waits until it is deregistered, registers a fresh zeroed buffer of the same size and answers
@@ -42,6 +43,13 @@ with Engine(provider, domains=None if domain == "-" else domain, threads=threads
             try:
                 engine.expect(int(words[1]), int(words[2]), timeout=float(words[3])).result()
                 print(f"landed {words[2]} sha256={hashlib.sha256(buffer).hexdigest()}", flush=True)
+            except TransferTimeout:
+                print("timeout", flush=True)
+        elif words[0] == "expect-each":
+            waits = [engine.expect(imm, 1, timeout=float(words[3])) for imm in range(int(words[1]), int(words[2]))]
+            try:
+                print(f"landed {sum(w.result() for w in waits)} sha256={hashlib.sha256(buffer).hexdigest()}",
+                      flush=True)
             except TransferTimeout:
                 print("timeout", flush=True)
         elif words[0] == "digest":

@@ -63,9 +63,10 @@ def test_a_region_with_its_own_nics_leaves_only_through_them(fabric):
             assert peer_proc.ask("expect 6 32 10") == f"landed 32 sha256={hashlib.sha256(want).hexdigest()}"
             writes = [n["writes"] for n in engine.stats()["per_nic"]]
             assert writes[0] == writes[2] == 0 and writes[1] == writes[3] == 16, writes
-            region._nic_order = np.array([4], dtype=np.uint16)
+            other = engine.register(pages_of(4, 32))  # a pair's route is made at its first write
+            other._nic_order = np.array([4], dtype=np.uint16)
             with pytest.raises(fi.UsageError, match="slots below 4"):
-                peer.write_pages(region, [0], peer_proc.descriptor, [0], PAGE)
+                peer.write_pages(other, [0], peer_proc.descriptor, [0], PAGE)
     finally:
         peer_proc.close()
 
@@ -364,6 +365,8 @@ def test_bench_api_compares_engine_and_stage_15_paths(fabric):
     assert result["raw_gbps"] > 0 and result["api_gbps"] > 0
     assert result["ratio"] == pytest.approx(result["api_gbps"] / result["raw_gbps"])
     assert set(result["us_per_call"]) == {1, 16} and all(us > 0 for us in result["us_per_call"].values())
+    small = result["small"]
+    assert small["us_waited"] > 0 and set(small["pages_per_s"]) == {1, 16} and min(small["pages_per_s"].values()) > 0
 
 
 def bench_command(*args, timeout=60):

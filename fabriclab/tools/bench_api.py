@@ -20,7 +20,8 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
     """The same workload through ``Engine.write_pages`` (pages in calls of ``batch_pages``, up to
     ``outstanding`` calls in flight) and through the stage-15 path (``batched``), alternating ``rounds``
     times and compared by their medians (one run of each swings by 10-20 % on a busy host), plus the
-    Python cost of one ``write_pages`` call of 1, 16 and 256 pages.
+    Python cost of one ``write_pages`` call of 1, 16 and 256 pages and the small-transfer figures
+    (``_small_transfers``: a page waited for, and ``write_batch``'s pages submitted a second).
 
     Both paths run one layout, the stage-15 path's (``config`` as ``bench --stage batched`` takes it):
     its NIC slots (``--nics``, else every domain and a slot per GPU group, emulated on one domain), its
@@ -36,21 +37,43 @@ def api_comparison(config: BenchConfig, calls=(1, 16, 256), batch_pages: int = 2
     if config.memory == "cuda":
         gpu.require_cuda()  # before any process starts: no CUDA here, and the error says what to install
     from .bench import run  # the harness, whose front (bench.py) offers this comparison
-    raw_runs, api_runs, overhead = [], [], {}
+    raw_runs, api_runs, overhead, small = [], [], {}, {}
     for _ in range(rounds):
         raw = run(BenchConfig(**{**asdict(config), "stage": "batched", "verify": False}))
         raw_runs.append(raw.gbps)
         measured = _api_round(config, raw, () if overhead else calls, batch_pages, outstanding, gpu_ipc)
         api_runs.append(measured["gbps"])
-        overhead = overhead or measured["us_per_call"]
+        overhead, small = overhead or measured["us_per_call"], small or measured["small"]
     raw_gbps, api_gbps = float(np.median(raw_runs)), float(np.median(api_runs))
     return {"raw_gbps": raw_gbps, "api_gbps": api_gbps, "ratio": api_gbps / raw_gbps if raw_gbps else 0.0,
-            "raw_runs": raw_runs, "api_runs": api_runs, "us_per_call": overhead,
+            "raw_runs": raw_runs, "api_runs": api_runs, "us_per_call": overhead, "small": small,
             "page_size": config.page_size, "threads": raw.threads, "nics": raw.nics, "provider": raw.provider,
             "layout": _layout(config, raw, measured["engine_layout"]),
             "caller_cores": measured["caller_cores"], "memory": config.memory, "raw_memory": raw.memory,
             "source": measured["source"], "target": measured["target"], "staging": measured["staging"],
             "target_staging": measured["target_staging"], "writes": measured["writes"]}
+
+
+def _small_transfers(peer, region, descriptor, page_size: int, whole: int, transfers: int = 2000,
+                     batch: int = 2000) -> dict:
+    """Small transfers through the Engine: one page written and waited for, ``transfers`` times (µs each, the
+    median of 3 runs); and ``write_batch`` of ``batch`` requests of 1 and of 16 pages (pages submitted a second,
+    the call alone, median of 3), each batch then waited for."""
+    waited, submitted = [], {1: [], 16: []}
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for i in range(transfers):
+            peer.write_pages(region, [i % whole], descriptor, [i % whole], page_size).result()
+        waited.append((time.perf_counter() - t0) / transfers * 1e6)
+        for pages in submitted:
+            requests = [([(i * pages + k) % whole for k in range(pages)],) * 2 for i in range(batch)]
+            t0 = time.perf_counter()
+            done = peer.write_batch(region, requests, descriptor, page_size)
+            submitted[pages].append(batch * pages / (time.perf_counter() - t0))
+            for t in done:
+                t.result()
+    return {"us_waited": float(np.median(waited)), "transfers": transfers, "batch": batch,
+            "pages_per_s": {pages: float(np.median(rates)) for pages, rates in submitted.items()}}
 
 
 def _layout(config: BenchConfig, raw: BenchResult, engine: dict) -> dict:
@@ -101,7 +124,7 @@ def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, o
             for t in in_flight:
                 t.result()
             rate = gbps(pages.size * plan.page_size, time.perf_counter() - t0)
-            overhead = {}
+            overhead, small = {}, _small_transfers(peer, region, descriptor, plan.page_size, whole) if calls else {}
             for n in calls:
                 chunk = pages[:min(n, whole)]
                 spent, transfers = 0.0, []
@@ -116,7 +139,7 @@ def _api_round(config: BenchConfig, raw: BenchResult, calls, batch_pages: int, o
                 overhead[n] = spent / 50 * 1e6
             staging = engine.stats()["staging"]
             layout = {"nics": engine.nics, "emulated_nics": engine.emulated_nics, "threads": engine.threads}
-    return {"engine_layout": layout, "gbps": rate, "us_per_call": overhead, "caller_cores": caller_cores,
+    return {"engine_layout": layout, "gbps": rate, "us_per_call": overhead, "small": small, "caller_cores": caller_cores,
             "writes": {"path": route[0], "why": route[1]},
             "source": {"path": region.path, "why": region.why}, "target": target["target"], "staging": staging,
             "target_staging": target["target_staging"]}

@@ -151,6 +151,7 @@ def format_api(r: dict) -> str:
              f"{','.join(map(str, r['caller_cores']))}",
              "Python cost per write_pages call: " + ", ".join(f"{n} page(s) {us:.1f} us"
                                                             for n, us in r["us_per_call"].items()),
+             *_describe_small(r["small"]),
              _describe_api_layout(r["layout"])]
     if r["memory"] == "cuda":
         for side in ("source", "target"):
@@ -163,6 +164,17 @@ def format_api(r: dict) -> str:
         for side, staging in (("source", r["staging"]), ("target", r["target_staging"])):
             lines.append(f"staging on the {side} side: {describe_staging(staging)}")
     return "\n".join(lines)
+
+
+def _describe_small(small: dict) -> list[str]:
+    """api_comparison's small-transfer figures in words (none where it measured none)."""
+    if not small:
+        return []
+    rates = ", ".join(f"{rate / 1e6:.2f} M pages/s in requests of {pages} page(s)"
+                      for pages, rate in small["pages_per_s"].items())
+    return [f"one page written and waited for: {small['us_waited']:.1f} us each ({small['transfers']} transfers, "
+            "median of 3 runs)",
+            f"write_batch of {small['batch']} requests, the call alone: {rates} (median of 3)"]
 
 
 def _describe_api_layout(layout: dict) -> str:
