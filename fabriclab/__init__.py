@@ -14,8 +14,8 @@ from the ones below it (``tests/test_layers.py`` holds it to that):
   ``recorded`` (recorded runs shipped as data), ``shmclean``, ``cli`` (command-line plumbing), ``measure`` (the
   one Gbps formula and the one verdict on interleaved runs), ``engine`` (``Engine``, ``Region``, ``Peer``: the
   public front) over its private machinery (``config``, ``errors``, ``transfer``, ``wire``, ``buffers``,
-  ``pages``, ``service`` with ``completions``, ``renewal`` and ``staged``), and ``bootstrap`` (exchanging
-  descriptors);
+  ``pages``, ``service`` with ``completions``, ``renewal``, ``staged`` and ``submit_batch``), and
+  ``bootstrap`` (exchanging descriptors);
 * the course's stages, chapter by chapter, each importing the one before: ``unidirectional``,
   ``bidirectional``, ``rdma_write``, ``opqueue``, ``multi_nic``, ``threaded``, ``batched``;
 * ``course`` (the notebooks' tooling) and ``tools`` (``bench``, ``testbed``, ``peers``, ``apidoc``).

@@ -30,6 +30,7 @@ MAX_NICS, MAX_THREADS = lib.FL_MAX_NICS, lib.FL_MAX_THREADS
 WORKER_EXIT_TIMEOUT: float = lib.FL_STOP_TIMEOUT_S
 MAX_BATCH = 1 << 16  # writes enqueued per pass: far more than any queue takes at once
 NO_IMM = lib.FL_NO_IMM  # the immediate data of a write whose caller gave none (targets still see traffic)
+NO_TRANSFER = lib.FL_NO_TRANSFER  # a request whose writes each name their transfer (Routes.batch)
 # A caller's immediate data fits the low FL_IMM_VALUE_BITS bits; the bits above carry how many pages a write
 # moves (minus one), so a coalesced write counts as its pages at the target: at most MAX_PAGES_PER_WRITE.
 MAX_IMM = (1 << lib.FL_IMM_VALUE_BITS) - 2
@@ -110,6 +111,16 @@ class Routes:
         c.nic_count = 0 if self.nic_order is None else self.nic_order.size
         return Request(c, (src_c, dst_c, lengths_c, self))
 
+    def batch(self, local_base: int, src: list[int], dst: list[int], stride: int, lengths: list[int],
+              transfers: list[int], imms: list[int], first_nic: int) -> Request:
+        """A request of the writes of several transfers (Peer.write_batch): as :meth:`request` with
+        ``pages_in_imm``, write i counted against transfer id ``transfers[i]`` and carrying ``imms[i]``."""
+        request = self.request(local_base, src, dst, stride, lengths, NO_IMM, first_nic, pages_in_imm=True)
+        transfers_c, imms_c = ffi.new("uint32_t[]", transfers), ffi.new("uint64_t[]", imms)
+        request._c.transfers, request._c.imms = transfers_c, imms_c
+        request._keep += (transfers_c, imms_c)
+        return request
+
 
 class Request:
     """One request as the service takes it (made by :meth:`Routes.request`). The native struct points
@@ -117,7 +128,7 @@ class Request:
 
     __slots__ = ("_c", "_keep")
 
-    def __init__(self, c, keep: tuple):
+    def __init__(self, c: Any, keep: tuple[Any, ...]):
         self._c, self._keep = c, keep
 
 

@@ -43,6 +43,7 @@ from .errors import (FabriclabError, InvalidDescriptor, OutOfRange, PeerLost, Re
                      TransferError, TransferTimeout, UsageError, WriteRejected, bad_address, closed_here)
 from .nics import host_identity, same_host_path
 from .pages import checked_pages, first_overlap, page_runs
+from .submit_batch import post_batch
 from .service import CLOSED_HERE, DEFAULT_STRIPE, Service
 from .transfer import Transfer, TransferResult
 from .wire import IpcRoute, PeerRegion, decode_address, decode_region, encode_address, encode_landing, encode_region
@@ -342,9 +343,10 @@ class Peer:
                     timeout: float | None = None) -> list[Transfer]:
         """Many :meth:`write_pages` in one call, a Transfer each, in order: ``requests`` holds
         ``(src_pages, dst_pages)`` or ``(src_pages, dst_pages, imm)``. Every request is checked before any is
-        submitted, so a bad one refuses the batch and nothing moves (its index is in the error); once
-        submitting, a failure (the engine closed, its queues full past the timeout) leaves the transfers
-        before it running, and raises."""
+        submitted, so a bad one refuses the batch and nothing moves (its index is in the error). On the NICs'
+        path the writes of all go to the engine as one request (each worker woken once); where the engine's
+        queues stay full past the timeout, or it closes, the transfers whose writes were not all queued fail
+        (their futures say so) and the others run on."""
         remote = self._remote(remote_descriptor)
         _check_region(local_region)
         page_size = fi.integer(page_size, "page_size", 1)
@@ -360,8 +362,15 @@ class Peer:
                 checked.append((*self._checked(local_region, remote, request[0], request[1], page_size), imm))
             except FabriclabError as exc:
                 raise type(exc)(f"request {i}: {exc}") from None
-        return [self._submit_pages(local_region, remote, src, dst, page_size, imm, timeout)
-                for src, dst, imm in checked]
+        service = self.engine._service
+        _, seconds = service.admit(self, local_region, None, timeout)
+        if (remote.ipc is not None and service.ipc.route(self, local_region, remote)[0]) or remote.landing \
+                or local_region.staged or not checked:  # the GPU's copies and the staged paths go one by one
+            return [self._submit_pages(local_region, remote, src, dst, page_size, imm, timeout)
+                    for src, dst, imm in checked]
+        items = [(*page_runs(src, dst, service.pages_per_write(len(src), page_size), page_size),
+                  _native.NO_IMM if imm is None else imm) for src, dst, imm in checked]
+        return [self._track(t) for t in post_batch(service, self, local_region, remote, items, page_size, seconds)]
 
     def _checked(self, local_region: Region, remote: PeerRegion, src_pages: Any, dst_pages: Any,
                  page_size: int) -> tuple[Any, Any]:

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -109,24 +110,36 @@ def _stop_at_exit(service: Service) -> bool:
     return service.pid != os.getpid() or service._shut.wait(EXIT_WAIT_S)
 
 
-def _hand_over_rest(service: Service, request: _native.Request, tid: int, transfer: Transfer, taken: int) -> None:
-    """Queue the writes of ``request`` from ``taken`` on as the workers' inboxes make room, until the transfer's
-    deadline: then the writes never handed over count as finished (they never will), and it fails."""
-    n = transfer.writes
-    while taken < n:
+def hand_over(service: Service, request: _native.Request, tid: int, count: int, taken: int, deadline: float,
+              give_up: Callable[[int, str], BaseException]) -> None:
+    """Queue writes ``[taken, count)`` of ``request`` (counted against ``tid``, or against the ids its writes
+    name: a batch) as the workers' inboxes make room, until ``deadline``. Then ``give_up(taken, why)``, under
+    the lock, counts the writes never handed over as finished (they never will), fails what they belonged
+    to and returns the failure, which is raised."""
+    while taken < count:
         time.sleep(0.0002)
         with service.lock:  # close() frees the native engine under this lock, once it is closed
             if not service.closed:
                 taken += service.native.submit(request, tid, taken)
-        if taken < n and (time.monotonic() > transfer.deadline or service.closed or service.native.stopping):
+        if taken < count and (time.monotonic() > deadline or service.closed or service.native.stopping):
             why = "the engine was closed" if service.closed else "the engine's queues stayed full"
-            failure = TransferTimeout(f"{why}; {n - taken} of {n} writes not queued", buffer_safe=taken == 0,
-                                      safety=transfer._safety)
             with service.lock:
-                if not service.closed:
-                    service.native.release_writes(tid, n - taken)
-            transfer._fail(failure)  # unless close() failed it already
+                failure = give_up(taken, why)
             raise failure
+
+
+def fail_unqueued(service: Service, left: dict[int, tuple[Transfer, int]], why: str) -> BaseException:
+    """Writes never handed over to the workers (``left``: per transfer id, its transfer and how many) count as
+    finished, as they never will, and their transfers fail; returns the first failure. The caller holds the
+    lock."""
+    failures = []
+    for tid, (transfer, writes) in left.items():
+        if not service.closed:
+            service.native.release_writes(tid, writes)
+        failures.append(TransferTimeout(f"{why}; {writes} of {transfer.writes} writes not queued",
+                                        buffer_safe=writes == transfer.writes, safety=transfer._safety))
+        transfer._fail(failures[-1])  # unless close() failed it already
+    return failures[0]
 
 
 class Service:
@@ -322,7 +335,8 @@ class Service:
                 taken = self.native.submit(request, tid, 0)
         transfer._finish_here = functools.partial(self.book.finish_here, tid, transfer)
         if taken < n:
-            _hand_over_rest(self, request, tid, transfer, taken)
+            hand_over(self, request, tid, n, taken, deadline,
+                      lambda taken, why: fail_unqueued(self, {tid: (transfer, n - taken)}, why))
         return transfer
 
     def start_staging(self) -> staging.PinnedPool:

@@ -317,7 +317,8 @@ int fl_target_run(fl_engine *e, int core, int manual_progress, double timeout_s)
 typedef struct fl_request {
     const fl_route *routes; uint64_t local_base; const int64_t *src, *dst; uint64_t stride;
     const uint64_t *lengths; uint64_t length; uint64_t count; uint64_t imm; uint32_t transfer; uint32_t first_nic;
-    uint32_t pages_in_imm; const uint16_t *nic_order; uint32_t nic_count;
+    uint32_t pages_in_imm; const uint16_t *nic_order; uint32_t nic_count; const uint32_t *transfers;
+    const uint64_t *imms;
 } fl_request;
 typedef struct fl_service_config {
     int threads; int batch; int fi_more; int pin; int cores[...]; double timeout_s; double link_timeout_s;

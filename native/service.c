@@ -286,13 +286,13 @@ static uint64_t flc_submit_writes(fl_engine *e, const fl_request *r, uint64_t st
         room[w]--;
         const fl_route *route = &r->routes[nic];
         uint64_t len = r->lengths ? r->lengths[i] : r->length;
-        uint64_t imm = r->imm;
+        uint64_t imm = r->imms ? r->imms[i] : r->imm;
         if (r->pages_in_imm && imm != FL_NO_IMM) imm |= (len / r->stride - 1) << FL_IMM_VALUE_BITS;
         st->inboxes[w].ops[tail[w]++ % FLC_INBOX_CAPACITY] = (fl_op){
             .local = r->local_base + (uint64_t)r->src[i] * r->stride,
             .remote = route->remote_base + (uint64_t)r->dst[i] * r->stride, .len = len, .rkey = route->rkey,
             .imm = imm, .desc = (void *)(uintptr_t)route->desc, .dest = route->dest, .routes = r->routes,
-            .transfer = r->transfer, .nic = (uint16_t)nic, .flags = FL_OP_IMM};
+            .transfer = r->transfers ? r->transfers[i] : r->transfer, .nic = (uint16_t)nic, .flags = FL_OP_IMM};
         if (++turn == span) turn = 0;
     }
     for (int w = threads - 1; w >= 0; w--) {

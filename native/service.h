@@ -25,7 +25,8 @@ int fl_service_start(fl_engine *e, const fl_service_config *cfg);
 /* One request of fabriclab.Engine: `count` writes, write i from local_base + src[i] * stride to
  * dst[i] * stride of the peer's region, lengths[i] bytes (or `length` when lengths is NULL), over NIC
  * (first_nic + i) % nnics through routes[that NIC] — or, with `nic_order`, over NIC
- * nic_order[(first_nic + i) % nic_count] (a GPU region leaves through its own GPU's NICs). */
+ * nic_order[(first_nic + i) % nic_count] (a GPU region leaves through its own GPU's NICs). A batch of
+ * transfers (Peer.write_batch) is one request whose writes each name their transfer and immediate data. */
 typedef struct fl_request {
     const fl_route *routes;
     uint64_t local_base;
@@ -40,6 +41,8 @@ typedef struct fl_request {
     uint32_t pages_in_imm;  /* write i's immediate data also says it moves lengths[i] / stride pages */
     const uint16_t *nic_order; /* NULL: every NIC in turn */
     uint32_t nic_count;
+    const uint32_t *transfers; /* NULL: every write counts against `transfer`; else write i against transfers[i] */
+    const uint64_t *imms;      /* NULL: every write carries `imm`; else write i carries imms[i] */
 } fl_request;
 /* Queue writes [start, count) of a request to the worker threads; returns how many were taken (fewer
  * when the inboxes are full: submit the rest later). */

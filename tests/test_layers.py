@@ -17,7 +17,7 @@ BINDING = {"fi", "_fabric", "_inprocess"}
 CORE = {"nics", "_native", "memory", "gpu", "staging", "landing", "landing_target", "landing_writer", "control",
         "gpucopy", "ipc", "ipc_writer",
         "lanecopy", "topology", "shmclean", "cli", "config", "errors", "transfer", "wire", "buffers", "pages",
-        "completions", "renewal", "staged", "service", "engine", "bootstrap", "measure", "recorded"}
+        "completions", "renewal", "staged", "service", "submit_batch", "engine", "bootstrap", "measure", "recorded"}
 STAGES = ["unidirectional", "bidirectional", "rdma_write", "opqueue", "multi_nic", "threaded", "batched"]
 TOP = {"course", "tools", "__main__"}
 

@@ -3,11 +3,12 @@ a caller waiting on result() finishes its transfer on its own thread, and many t
 nothing."""
 import hashlib
 import threading
+import time
 
 import numpy as np
 import pytest
 
-from fabriclab import Engine, OutOfRange, fi
+from fabriclab import Engine, OutOfRange, TransferTimeout, fi
 from fabriclab.completions import TRANSFER_SLOTS
 from helpers import PAGE, PeerProcess, pages_of
 
@@ -149,3 +150,31 @@ def test_closing_a_peer_with_transfers_in_flight_keeps_their_entries(fabric, eng
     transfers = peer.write_batch(region, [([i % 8], [i % 32]) for i in range(300)], target.descriptor, PAGE)
     peer.close()
     assert all(t.result(10).writes == 1 for t in transfers)
+
+
+def test_a_batch_the_queues_cannot_take_fails_only_the_transfers_left_out(fabric, target):
+    """With the only worker parked, a batch of more writes than its inbox holds (65,536) queues what fits; by
+    the deadline the transfers left out fail as not queued (buffer-safe: none of their writes was), those
+    queued by their deadline or, once the worker runs, not at all. Every transfer id comes back."""
+    with Engine(fabric[0], domains=fabric[1], pin=False, timeout=10, threads=1, nics=1) as engine:
+        region = engine.register(pages_of(10, 8))
+        peer = engine.connect(target.address)
+        native = engine._service.native
+        assert native.park_worker(0, 5)
+        try:  # two writes a request (pages swapped: no run), 70,000 writes in all
+            transfers = peer.write_batch(region, [([0, 1], [2 * (i % 256) + 1, 2 * (i % 256)]) for i in range(35_000)],
+                                         target.descriptor, 4096, timeout=0.5)
+        finally:
+            native.unpark_worker(0)
+        failures = [t.exception(10) for t in transfers]
+        left_out = [f for f in failures if f is not None and "not queued" in str(f)]
+        assert 0 < len(left_out) < len(transfers) and all(isinstance(f, TransferTimeout) for f in left_out)
+        assert sum(not f.buffer_safe for f in left_out) <= 1  # at most one straddles the last write queued
+        assert all(f is None or isinstance(f, TransferTimeout) for f in failures)
+        assert all(t.wait_safe(10) for t in transfers)
+        book = engine._service.book
+        deadline = time.monotonic() + 10
+        while book.in_use and time.monotonic() < deadline:
+            time.sleep(0.05)  # the reaper frees each id once the provider reported its writes
+        with engine._service.lock:
+            assert not book.in_use and len(book.free_ids) == TRANSFER_SLOTS
