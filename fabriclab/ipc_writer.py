@@ -278,7 +278,7 @@ class IpcPath:
         message = None if imm == _native.NO_IMM else control.copied_in(
             service.engine_id, secrets.randbits(64) | 1, remote.region_id, route.key, imm, pages, transfer.bytes)
         item = _Copy(launch, copier, route, transfer, finisher(service, transfer, state, True), message)
-        transfer._finish_here = lambda _seconds: self._finish(item)  # the copy's event: it waits for it whole
+        transfer._finish_here = lambda _seconds: self._finish(item, waiter=True)  # it waits for the copy whole
         with self.lock:
             state.in_use += 1
             service.count_submitted(transfer)
@@ -316,18 +316,20 @@ class IpcPath:
             with self.lock:
                 self.pending.popleft()
 
-    def _finish(self, item: _Copy) -> None:
+    def _finish(self, item: _Copy, waiter: bool = False) -> None:
         """Once ``item``'s copy is done: leave the gate, have the target count the pages, resolve the transfer.
-        Whichever thread claims it first (the completer, or one waiting for the transfer) does it, once."""
+        Whichever thread claims it first does it, once: a thread waiting for the transfer (``waiter``) claims
+        it before it waits for the copy, so that it finishes the transfer itself with no hand-over between
+        threads; the completer claims it once the copy is done."""
+        if waiter and not self._claim(item):
+            return  # the completer has it
         try:
             item.copier.finished(item.launch, wait=True)  # the GIL is released while it waits
             error: BaseException | None = None
         except gpu.CudaError as exc:
             error = StagingFailed(f"the GPU copy into the peer's memory failed: {exc}", buffer_safe=True)
-        with self.lock:
-            if item.claimed:
-                return
-            item.claimed = True
+        if not waiter and not self._claim(item):
+            return
         item.route.gates.leave(item.route.slot)
         item.copier.release(item.launch)
         if error is None and item.route.peer_gone():
@@ -340,6 +342,14 @@ class IpcPath:
             self.counts["launches"] += 1
             self.counts["bytes"] += item.launch.bytes if error is None else 0
         item.done(error, True)
+
+    def _claim(self, item: _Copy) -> bool:
+        """Take ``item`` to finish it: False where another thread took it first."""
+        with self.lock:
+            if item.claimed:
+                return False
+            item.claimed = True
+            return True
 
     def forget_peer(self, engine_id: int) -> None:
         """Drop the routes into a peer engine (found gone)."""
