@@ -147,15 +147,17 @@ def test_a_blocking_callback_does_not_stall_the_engine():
     with Engine("shm", pin=False, timeout=10) as a, Engine("shm", pin=False, timeout=10) as b:
         src, dst = a.register(np.ones(4 * PAGE, np.uint8)), b.register(np.zeros(4 * PAGE, np.uint8))
         peer = a.connect(b.address)
-        release, ran_on = threading.Event(), []
+        release, started, ran_on = threading.Event(), threading.Event(), []
 
         def blocking(future):
             ran_on.append(threading.current_thread().name)
+            started.set()
             release.wait(10)
 
         first = peer.write_pages(src, [0], dst.descriptor(), [0], PAGE)
         first.add_done_callback(blocking)
         first.result(5)
+        started.wait(5)  # the callback runs on a thread of its own, maybe after result() returned: let it block
         try:
             # the callback blocks; the engine still resolves the next transfers
             for page in (1, 2, 3):
