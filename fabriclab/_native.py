@@ -302,12 +302,13 @@ class NativeEngine:
         as finished, so that the transfer can finish."""
         lib.fl_transfer_release(self._ptr, transfer, writes)
 
-    def wait(self, timeout: float) -> list[int]:
+    def wait(self, timeout: float) -> list[int] | None:
         """Up to ``timeout`` seconds (without the GIL) for transfers to finish; their ids (at most
-        WAIT_BATCH). Returns early, empty, on :meth:`wake` or when immediate data arrives while watched.
+        WAIT_BATCH). Returns early, empty, on :meth:`wake` or when immediate data arrives while watched;
+        None when notices were lost (more waited than the queue holds): look at every transfer then.
         One waiting thread at a time."""
         got = lib.fl_service_wait(self._ptr, self._finished, WAIT_BATCH, timeout)
-        return ffi.unpack(self._finished, got)
+        return None if got < 0 else ffi.unpack(self._finished, got)
 
     def wait_transfer(self, transfer: int, seconds: float) -> bool:
         """Look, on the calling thread and without the GIL, up to ``seconds`` for transfer id ``transfer`` to

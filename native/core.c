@@ -127,8 +127,10 @@ static enum flc_reap flc_cq_error(thread_ctx *t, int nic_index) {
 void flc_notify(fl_engine *e, uint32_t finished) {
     engine_state *st = e->state;
     pthread_mutex_lock(&st->done_lock);
-    if (finished != FL_NO_TRANSFER) st->done_ids[st->done_tail++ % FLC_DONE_CAPACITY(e)] = finished;
-    else st->woken = 1;
+    if (finished == FL_NO_TRANSFER) st->woken = 1;
+    else if (st->done_tail - st->done_head < FLC_DONE_CAPACITY(e))
+        st->done_ids[st->done_tail++ % FLC_DONE_CAPACITY(e)] = finished;
+    else st->done_lost = 1; /* never overwrite a notice not taken yet: the waiter looks at every transfer */
     pthread_cond_signal(&st->done_cond);
     pthread_mutex_unlock(&st->done_lock);
 }
@@ -138,7 +140,7 @@ void flc_notify(fl_engine *e, uint32_t finished) {
  * Sequentially consistent with the caller's looks: either this sees the caller looking, or the caller,
  * once it stops, sees the count at 0. (A caller that looked at an id as it was handed to another transfer
  * may leave the count below 0: that counts as nobody looking.) */
-static void flc_transfer_finished_writes(fl_engine *e, uint32_t transfer, int64_t writes) {
+void flc_transfer_finished_writes(fl_engine *e, uint32_t transfer, int64_t writes) {
     if (!flc_is_transfer(e, transfer) || !writes) return;
     if (__atomic_sub_fetch(FLC_LEFT(e, transfer), writes, __ATOMIC_SEQ_CST) == 0 &&
         __atomic_load_n(FLC_WAITERS(e, transfer), __ATOMIC_SEQ_CST) <= 0)
@@ -177,10 +179,6 @@ void flc_transfer_done(fl_engine *e, uint32_t transfer, int error) {
                                     __ATOMIC_RELAXED, __ATOMIC_RELAXED);
     }
     flc_transfer_finished_writes(e, transfer, 1);
-}
-
-void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes) {
-    flc_transfer_finished_writes(e, transfer, (int64_t)writes);
 }
 
 /* Reap every completion waiting on a NIC's queue; returns how many, or -1 on error. Never posts. */

@@ -117,9 +117,11 @@ typedef struct engine_state {
     struct thread_ctx *service_ctx;
     inbox inboxes[FL_MAX_THREADS];
     fl_service_config service_cfg;
-    /* finished transfers, for fl_service_wait: each id is in here at most twice (when its writes are all
-     * finished, and when the last of its abandoned writes is reported; it is reused only after Python
-     * took it out), so FLC_DONE_CAPACITY entries always suffice */
+    /* finished transfers, for fl_service_wait. An id is told at most twice per use (when its writes are all
+     * finished, and when the last of its abandoned writes is reported), but a caller that settles a transfer
+     * itself (fl_transfer_wait) may free and reuse its id before the reaper took an earlier notice of it out:
+     * should FLC_DONE_CAPACITY entries ever be waiting, a notice is not queued but `done_lost` set, and the
+     * waiter then looks at every transfer instead (fl_service_wait returns -1) */
     _Atomic int park_request[FL_MAX_THREADS], parked[FL_MAX_THREADS]; /* fl_worker_park */
     _Atomic uint64_t last_arrival_ns; /* when a peer's write last landed on any worker's NICs (resting.c) */
     /* Stopping (fl_service_stop). A worker clears its worker_running flag as the last thing it does; one
@@ -135,7 +137,7 @@ typedef struct engine_state {
     pthread_cond_t done_cond;
     uint32_t *done_ids;
     uint64_t done_head, done_tail;
-    int woken;
+    int woken, done_lost;
 } engine_state;
 
 typedef struct group {
@@ -282,6 +284,8 @@ static inline int link_stalled(const thread_ctx *t, int nic_index, uint64_t now)
 /* ------------------------------------------------------------------------------ defined in core.c */
 
 FL_INTERNAL void flc_fail(fl_engine *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* `writes` of a service transfer finished (core.c): the reaper is told at its last, unless a caller looks. */
+FL_INTERNAL void flc_transfer_finished_writes(fl_engine *e, uint32_t transfer, int64_t writes);
 FL_INTERNAL int flc_prepare_slots(fl_engine *e);
 /* reaping, posting, and moving pending writes to the provider */
 FL_INTERNAL int poll_nic(thread_ctx *t, int nic_index);

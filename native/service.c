@@ -91,9 +91,9 @@ static int flc_drain_inbox(thread_ctx *t, uint32_t budget) {
         fl_nic *n = &t->e->nics[op->nic];
         enum flc_path why = flc_path_dead(t->e, &t->st->nics[op->nic], op->nic, op->dest);
         if (why) {
-            head++; /* first, so that a reroute to this very inbox finds room */
+            fl_op rerouted = flc_moved_off(op, why); /* copied out before its slot is given back */
+            head++; /* then the slot, so that a reroute to this very inbox finds room */
             atomic_store_explicit(&box->head, head, memory_order_release);
-            fl_op rerouted = flc_moved_off(op, why);
             flc_reroute(t, &rerouted);
             moved++;
             continue;
@@ -317,14 +317,25 @@ int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s) {
     until.tv_sec += (time_t)(ns / 1000000000ull);
     until.tv_nsec = (long)(ns % 1000000000ull);
     pthread_mutex_lock(&st->done_lock);
-    while (st->done_head == st->done_tail && !st->woken)
+    while (st->done_head == st->done_tail && !st->woken && !st->done_lost)
         if (pthread_cond_timedwait(&st->done_cond, &st->done_lock, &until) == ETIMEDOUT) break;
     int got = 0;
     while (got < max && st->done_head != st->done_tail) ids[got++] = st->done_ids[st->done_head++ % FLC_DONE_CAPACITY(e)];
+    if (st->done_lost && st->done_head == st->done_tail) {
+        st->done_lost = 0;
+        got = -1;
+    }
     st->woken = 0;
     pthread_mutex_unlock(&st->done_lock);
     flc_leave_service(st);
     return got;
+}
+
+void fl_transfer_release(fl_engine *e, uint32_t transfer, uint64_t writes) {
+    engine_state *st = e->state;
+    if (!st || !flc_enter_service(st)) return; /* the stop frees the finished queue the last write tells */
+    flc_transfer_finished_writes(e, transfer, (int64_t)writes);
+    flc_leave_service(st);
 }
 
 int fl_transfer_wait(fl_engine *e, uint32_t transfer, double spin_s) {

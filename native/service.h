@@ -49,7 +49,8 @@ typedef struct fl_request {
 uint64_t fl_service_submit(fl_engine *e, const fl_request *r, uint64_t start);
 /* Wait up to timeout_s for transfers to finish (every write completed or failed); writes their ids to
  * `ids` (at most max) and returns how many. Returns early, with 0, on fl_service_wake or when
- * immediate data arrives while e->imm_watch is set. Call without holding Python's GIL. */
+ * immediate data arrives while e->imm_watch is set; with -1 when notices were lost (engine_state.done_lost:
+ * the caller then looks at every transfer). Call without holding Python's GIL. */
 int fl_service_wait(fl_engine *e, uint32_t *ids, int max, double timeout_s);
 /* The calling thread looks for the end of `transfer` itself, up to spin_s (yielding its core between looks):
  * 1 once every write of it finished (the caller then settles it; nobody else was told, unless writes it

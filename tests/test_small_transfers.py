@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from fabriclab import Engine, OutOfRange, TransferTimeout, fi
+from fabriclab import Engine, OutOfRange, TransferTimeout, _native, completions, fi
 from fabriclab.completions import TRANSFER_SLOTS
 from helpers import PAGE, PeerProcess, pages_of
 
@@ -178,3 +178,44 @@ def test_a_batch_the_queues_cannot_take_fails_only_the_transfers_left_out(fabric
             time.sleep(0.05)  # the reaper frees each id once the provider reported its writes
         with engine._service.lock:
             assert not book.in_use and len(book.free_ids) == TRANSFER_SLOTS
+
+
+def test_notices_lost_to_a_full_queue_still_settle_every_transfer(fabric, target, monkeypatch):
+    """A caller that settles its own transfer frees the id at once, so the reaper's queue of notices (two per id)
+    can hold more notices than ids when the reaper falls behind. With 4 ids (8 notices) and the reaper held up,
+    one transfer nobody waits for (X) is followed by 10 that callers settle: the queue fills. X must still be
+    settled (its callback runs) once the reaper goes on: the engine looks at every transfer when notices were
+    lost, instead of overwriting the oldest."""
+    monkeypatch.setattr(completions, "TRANSFER_SLOTS", 4)
+    with Engine(fabric[0], domains=fabric[1], pin=False, timeout=30) as engine:
+        region = engine.register(pages_of(11, 8))
+        peer = engine.connect(target.address)
+        book = engine._service.book
+        gate, settle = threading.Event(), book._settle
+
+        def held_on_the_reaper(tid):
+            if threading.current_thread().name == "fabriclab-engine-reaper":
+                gate.wait(20)
+            settle(tid)
+
+        monkeypatch.setattr(book, "_settle", held_on_the_reaper)
+
+        def finished(transfer):  # its last write reported, nobody looking: the reaper gets a notice
+            at = _native.TRANSFER_FIELDS * next(t for t, e in book.in_use.items() if e[0] is transfer)
+            deadline = time.monotonic() + 10
+            while book.transfers[at] > 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.005)
+
+        first = peer.write_pages(region, [0], target.descriptor, [0], PAGE)
+        finished(first)  # the reaper takes its notice and is held up settling it
+        called = threading.Event()
+        lonely = peer.write_pages(region, [1], target.descriptor, [1], PAGE)
+        lonely.add_done_callback(lambda _: called.set())
+        finished(lonely)
+        for i in range(10):
+            transfer = peer.write_pages(region, [2], target.descriptor, [2 + i], PAGE)
+            finished(transfer)
+            assert transfer.result(10).writes == 1  # settled here, its id freed at once
+        gate.set()
+        assert called.wait(10) and lonely.result(0).writes == 1 and first.result(10).writes == 1
