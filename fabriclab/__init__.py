@@ -21,7 +21,15 @@ from the ones below it (``tests/test_layers.py`` holds it to that):
 * ``course`` (the notebooks' tooling) and ``tools`` (``bench``, ``testbed``, ``peers``, ``apidoc``).
 """
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the public names as the classes they are, for type checkers; at run time they load lazily
+    from .engine import Engine as Engine, EngineConfig as EngineConfig, Peer as Peer, Region as Region
+    from .engine import Transfer as Transfer, TransferResult as TransferResult
+    from .errors import (InvalidDescriptor as InvalidDescriptor, OutOfRange as OutOfRange, PeerLost as PeerLost,
+                         RegionClosed as RegionClosed, StagingFailed as StagingFailed, TransferError as TransferError,
+                         TransferTimeout as TransferTimeout, WriteRejected as WriteRejected)
+    from .fi import FabriclabError as FabriclabError, UsageError as UsageError
 
 __version__ = "0.1.0"
 _PUBLIC = ("Engine", "EngineConfig", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError", "TransferError",

@@ -10,9 +10,9 @@ Values left out (None) are chosen by the engine for the host (``fabriclab.nics.d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from . import _native, fi, staging
 
@@ -96,6 +96,24 @@ class EngineConfig:
         given = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
                  if getattr(self, f.name) != f.default]
         return f"EngineConfig({', '.join(given)})"
+
+
+class EngineOptions(TypedDict, total=False):
+    """``Engine(provider, **options)``'s keywords, typed: the fields of :class:`EngineConfig` but the provider
+    (tests/test_types.py checks that the two lists agree)."""
+    nics: int | None
+    domains: str | Sequence[str] | None
+    threads: int | None
+    pin: bool
+    batch: int
+    fi_more: bool
+    timeout: float
+    in_flight: int | None
+    gpu: bool | None
+    gpu_ipc: bool
+    link_timeout: float | None
+    staging_bytes: int
+    staging_chunk_bytes: int
 
 
 def _domains(domains: object) -> tuple[str, ...] | None:

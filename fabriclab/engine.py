@@ -31,14 +31,14 @@ import os
 import secrets
 import weakref
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from . import _native, fi, landing, memory, staging
 from .buffers import HostView, view_of
 from .completions import RegionState
-from .config import EngineConfig
+from .config import EngineConfig, EngineOptions
 from .errors import (FabriclabError, InvalidDescriptor, OutOfRange, PeerLost, RegionClosed, StagingFailed,
                      TransferError, TransferTimeout, UsageError, WriteRejected, bad_address, closed_here)
 from .nics import host_identity, same_host_path
@@ -47,6 +47,9 @@ from .submit_batch import post_batch
 from .service import CLOSED_HERE, DEFAULT_STRIPE, Service
 from .transfer import Transfer, TransferResult
 from .wire import IpcRoute, PeerRegion, decode_address, decode_region, encode_address, encode_landing, encode_region
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11 on; hints only, never run
 
 __all__ = ["Engine", "EngineConfig", "Region", "Peer", "Transfer", "TransferResult", "FabriclabError", "UsageError",
            "TransferError", "PeerLost", "WriteRejected", "TransferTimeout", "RegionClosed", "InvalidDescriptor",
@@ -461,9 +464,10 @@ class Engine:
     makes its own.
     """
 
-    def __init__(self, provider: str | None = None, *, config: EngineConfig | None = None, **options: Any) -> None:
-        if config is None:
-            config = EngineConfig(provider, **options)
+    def __init__(self, provider: str | None = None, *, config: EngineConfig | None = None,
+                 **options: Unpack[EngineOptions]) -> None:
+        if config is None:  # domains may come as a string or a list; EngineConfig makes them a tuple
+            config = EngineConfig(provider, **options)  # type: ignore[arg-type]
         elif not isinstance(config, EngineConfig):
             raise fi.UsageError(f"config must be an EngineConfig, got {type(config).__name__}")
         elif provider is not None or options:

@@ -36,3 +36,27 @@ def test_the_check_is_strict_and_sees_the_binding(tmp_path):
     run = mypy(str(bad))
     assert run.returncode == 1, run.stdout + run.stderr
     assert "no-untyped-def" in run.stdout and "arg-type" in run.stdout, run.stdout
+
+
+def test_the_front_door_types_the_engine_and_its_keywords(tmp_path):
+    """``from fabriclab import Engine`` is the class to a type checker (not Any, as the lazy import alone would
+    make it), and a wrong keyword or a wrong value type for one is an error before anything runs."""
+    use = tmp_path / "use_engine.py"
+    use.write_text("import fabriclab\nfrom fabriclab import Engine\n\n"
+                   "reveal_type(fabriclab.Engine)\n"
+                   "reveal_type(Engine('shm', nics=2, domains='lo').address)\n"
+                   "Engine('shm', nics='4')\n"
+                   "Engine('shm', thread=2)\n")
+    run = mypy(str(use))
+    assert 'Revealed type is "def (provider: str | None =' in run.stdout and "-> fabriclab.engine.Engine" in run.stdout
+    assert 'Revealed type is "bytes"' in run.stdout, run.stdout
+    assert run.stdout.count("error:") == 2 and '"nics"' in run.stdout and '"thread"' in run.stdout, run.stdout
+
+
+def test_the_engine_keywords_are_the_config_fields():
+    import dataclasses
+    import typing
+
+    from fabriclab.config import EngineConfig, EngineOptions
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"provider"}
+    assert set(typing.get_type_hints(EngineOptions)) == fields
