@@ -8,7 +8,7 @@ the cffi struct or ``lib`` itself: this module is the one place that knows the n
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,7 @@ MAX_IMM_COUNT = lib.FL_IMM_MAX_COUNT  # the most pages of one value the engine c
 
 def lane_imm(lane: int) -> int:
     """The immediate data of writes into landing lane ``lane``."""
-    return (lane << lib.FL_IMM_VALUE_BITS) | LANDING_VALUE
+    return int((lane << lib.FL_IMM_VALUE_BITS) | LANDING_VALUE)
 # per transfer id, in the array attach_transfers returns: writes still to finish, the first error
 # (negative), writes given up on that the provider may still be reading, and callers looking for its end
 TRANSFER_FIELDS = lib.FL_TRANSFER_FIELDS
@@ -167,7 +167,7 @@ class NativeEngine:
         n.remote_base = remote.base
         n.rkey = remote.key
 
-    def nic(self, index: int):
+    def nic(self, index: int) -> Any:
         return self._ptr.nics[index]
 
     def limit_in_flight(self, writes: int) -> None:
@@ -176,15 +176,15 @@ class NativeEngine:
             n = self._ptr.nics[slot.index]
             n.max_in_flight = min(n.max_in_flight, writes)
 
-    def run(self, call, *args, timeout: float, tick=None) -> None:
+    def run(self, call: Callable[..., int], *args: Any, timeout: float, tick: Callable[[], None] | None = None) -> None:
         """Run a blocking engine call (the GIL is released inside it) in a thread; raise on its error.
         However the wait ends (Ctrl-C included, even during the thread's start), the engine is told to
         stop and its threads are joined before this returns, so it is never freed under them. ``tick``,
         if given, is called every 50 ms of the wait (the course's writers tell their target they live)."""
-        result = {}
+        result: dict[str, int] = {}
         launched, finished = threading.Event(), threading.Event()
 
-        def body():
+        def body() -> None:
             launched.set()
             try:
                 result["rc"] = call(self._ptr, *args)
@@ -192,7 +192,7 @@ class NativeEngine:
                 finished.set()
 
         self._ptr.stop = 0
-        self._running = (launched, finished)
+        self._running: tuple[threading.Event, threading.Event] | None = (launched, finished)
         try:
             threading.Thread(target=body, daemon=True).start()
             while not finished.wait(0.05):
@@ -206,7 +206,7 @@ class NativeEngine:
     @property
     def error(self) -> str:
         """Why the engine's last run or service failed (empty when it did not)."""
-        return ffi.string(self._ptr.error).decode(errors="replace")
+        return str(ffi.string(self._ptr.error).decode(errors="replace"))
 
     def _join_worker(self) -> None:
         running = getattr(self, "_running", None)
@@ -224,7 +224,7 @@ class NativeEngine:
                 pass  # already stopping
         self._running = None
 
-    def counters(self) -> list[dict]:
+    def counters(self) -> list[dict[str, Any]]:
         out = []
         for slot in self.nics.slots:
             n = self._ptr.nics[slot.index]
@@ -295,7 +295,7 @@ class NativeEngine:
         worker threads. Returns how many were taken: fewer when their inboxes are full (submit the rest
         later)."""
         request._c.transfer = transfer
-        return lib.fl_service_submit(self._ptr, request._c, start)
+        return int(lib.fl_service_submit(self._ptr, request._c, start))
 
     def release_writes(self, transfer: int, writes: int) -> None:
         """``writes`` of ``transfer`` will never be handed over (their submission was given up): count them
@@ -329,7 +329,7 @@ class NativeEngine:
         IMM_FULL (not awaited: every value the table holds is awaited; one holding arrivals nobody awaits gives
         its place up, the oldest first). With
         ``report_lost``, IMM_LOST (not awaited) when arrivals of ``imm`` came while the table was full: said once."""
-        return lib.fl_imm_await(self._ptr, imm, int(report_lost))
+        return int(lib.fl_imm_await(self._ptr, imm, int(report_lost)))
 
     def release_immediates(self, imm: int) -> None:
         lib.fl_imm_release(self._ptr, imm)
@@ -341,7 +341,7 @@ class NativeEngine:
     def credit_immediates(self, imm: int, count: int) -> int:
         """Count ``count`` more pages of ``imm`` (a staged target has copied them to their place): IMM_OK, or
         IMM_LOST (not counted, and ``imm`` marked lost: every value the table holds was awaited)."""
-        return lib.fl_imm_credit(self._ptr, imm, count)
+        return int(lib.fl_imm_credit(self._ptr, imm, count))
 
     def take_lane(self, lane: int, count: int) -> bool:
         """If at least ``count`` writes into landing lane ``lane`` have arrived, consume them: True."""
@@ -355,7 +355,7 @@ class NativeEngine:
         """Drop the arrivals of values nobody has awaited for ``age`` seconds: how many values."""
         return int(lib.fl_imm_expire(self._ptr, min(int(age * 1e9), 2 ** 64 - 1)))
 
-    def immediates_usage(self) -> dict:
+    def immediates_usage(self) -> dict[str, int]:
         """The count of immediate data: values holding a slot now, the most that may, arrivals not counted
         (every slot awaited), values marked lost not yet reported, the last value lost, values whose arrivals
         nobody awaited were dropped (pushed out by newer ones, or expired) and the last of those."""
@@ -385,7 +385,7 @@ class NativeEngine:
 
     def renewal_waiting(self, index: int) -> bool:
         """A fresh endpoint handed to NIC slot ``index`` still waits for its worker to swap it in."""
-        return self._ptr.nics[index].next_ep != ffi.NULL
+        return bool(self._ptr.nics[index].next_ep != ffi.NULL)
 
     def park_worker(self, index: int, timeout: float) -> bool:
         """Have the worker that owns NIC slot ``index`` sleep, touching none of its NICs, until
@@ -413,7 +413,7 @@ class NativeEngine:
         ``timeout`` seconds: returns 0, or how many threads were still inside the engine then (stuck in a
         provider call: WORKER_EXIT_TIMEOUT says why). Those are left running at idle priority, and the native
         engine is then not freed while they are there."""
-        return lib.fl_service_stop(self._ptr, timeout)
+        return int(lib.fl_service_stop(self._ptr, timeout))
 
 
 # ------------------------------------------------------------- the course's write runs and their target
@@ -430,7 +430,7 @@ class RunFigures:
     bytes: int
     elapsed_s: float
     marked: int
-    model: dict = field(default_factory=dict)
+    model: dict[str, int] = field(default_factory=dict)
 
 
 #: struct fi_sim_counts' fields (native/sim/fi_sim_ext.h): what the modeled host charged a run's threads.
@@ -450,7 +450,7 @@ class RunConfig:
 
     __slots__ = ("_c", "threads", "groups")
 
-    def __init__(self, fields: dict, cores: list[int], model_cores: list[int] = ()):
+    def __init__(self, fields: dict[str, Any], cores: list[int], model_cores: Sequence[int] = ()):
         missing = set(RUN_FIELDS) - set(fields)
         if missing:
             raise fi.UsageError(f"a write run needs {sorted(missing)}")
@@ -508,7 +508,7 @@ class NativeTarget:
         (FI_PROGRESS_MANUAL), the loop never sleeps during a run. A loop stuck inside a provider call for
         ``timeout`` seconds also ends the run with an error, its thread left behind (:attr:`stranded`)."""
         manual = self.engine.nics.slots[0].info.data_progress == lib.FI_PROGRESS_MANUAL
-        return lib.fl_target_run(self.engine._ptr, core, int(manual), timeout)
+        return int(lib.fl_target_run(self.engine._ptr, core, int(manual), timeout))
 
     def stop(self) -> None:
         self.engine._ptr.stop = 1
@@ -518,7 +518,7 @@ class NativeTarget:
         """The loop's thread was given up on, stuck in a provider call (:meth:`run` returned the run's error
         meanwhile): it may still use the engine, its NICs and the memory they registered, so none of them may be
         closed or freed, for the life of the process."""
-        return self.engine._ptr.course.target_stranded > 0
+        return bool(self.engine._ptr.course.target_stranded > 0)
 
     def writer_heard(self) -> None:
         """The writer said it is writing: the loop's silence clock restarts."""
@@ -541,7 +541,7 @@ class NativeTarget:
     def landed_s(self) -> float:
         """From the first write landing (or, counting marks only, the writer's first word) to the last."""
         c = self.engine._ptr.course
-        return (c.last_arrival_ns - c.first_arrival_ns) / 1e9
+        return float((c.last_arrival_ns - c.first_arrival_ns) / 1e9)
 
 
 # ------------------------------------------------------------------- the lessons' and the bench's C benchmarks
@@ -587,7 +587,7 @@ class GateSlots:
 
     def enter(self, slot: int, key: int) -> bool:
         """Whether the gate let the caller in (open, for ``key``): then it must :meth:`leave`."""
-        return lib.fl_gate_enter(self._slot(slot), key) == lib.FL_GATE_PASSED
+        return bool(lib.fl_gate_enter(self._slot(slot), key) == lib.FL_GATE_PASSED)
 
     def leave(self, slot: int) -> None:
         lib.fl_gate_leave(self._slot(slot))
