@@ -194,8 +194,8 @@ def _check_region(region: object) -> None:
                             f"{type(region).__name__}")
 
 
-def _refuse_overlap(local: Region, remote: PeerRegion, src: np.ndarray, dst: np.ndarray, size: int,
-                    pages: bool) -> None:
+def _refuse_overlap(local: Region, remote: PeerRegion, src: np.ndarray | list[int], dst: np.ndarray | list[int],
+                    size: int, pages: bool) -> None:
     """Refuse a transfer that reads bytes it also writes: its writes run in no order (RDMA promises none, and a
     run of pages is one copy), so what landed would depend on timing — pages 0..7 onto 1..8 of one region
     landed page 0 in all nine. ``src``, ``dst``: first pages (``pages``) or first bytes of ``size``-byte pieces.
@@ -204,6 +204,7 @@ def _refuse_overlap(local: Region, remote: PeerRegion, src: np.ndarray, dst: np.
     if target is None or target.kind != local.kind:
         return
     scale = size if pages else 1
+    src, dst = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
     pair = first_overlap(local.pointer + src * scale, target.pointer + dst * scale, size)
     if pair is None:
         return
@@ -367,8 +368,7 @@ class Peer:
                 raise type(exc)(f"request {i}: {exc}") from None
         service = self.engine._service
         _, seconds = service.admit(self, local_region, None, timeout)
-        if (remote.ipc is not None and service.ipc.route(self, local_region, remote)[0]) or remote.landing \
-                or local_region.staged or not checked:  # the GPU's copies and the staged paths go one by one
+        if not checked or not service.through_nics(self, local_region, remote):  # GPU copies, staging: one by one
             return [self._submit_pages(local_region, remote, src, dst, page_size, imm, timeout)
                     for src, dst, imm in checked]
         items = [(*page_runs(src, dst, service.pages_per_write(len(src), page_size), page_size),
@@ -380,8 +380,7 @@ class Peer:
         """The page lists of a write_pages, checked (pages.checked_pages), and no source page overlapping a
         destination page where both are memory of this process."""
         src, dst = checked_pages(src_pages, dst_pages, local_region.length, remote.length, page_size)
-        if Region._of(remote) is not None:  # only memory of this process can be seen
-            _refuse_overlap(local_region, remote, np.asarray(src), np.asarray(dst), page_size, pages=True)
+        _refuse_overlap(local_region, remote, src, dst, page_size, pages=True)
         return src, dst
 
     def _submit_pages(self, local_region: Region, remote: PeerRegion, src: Any, dst: Any, page_size: int,

@@ -273,18 +273,22 @@ class Service:
         track its future. Write i moves lengths[i] (or ``lengths`` bytes) from src[i] * stride of the
         region to dst[i] * stride of the peer's. A few writes may come as lists of Python ints."""
         wire_imm, seconds = self.admit(peer, region, imm, timeout)
-        through_ipc = remote.ipc is not None and self.ipc.route(peer, region, remote)[0]
-        if not (through_ipc or remote.landing is not None or region.staged):
+        if self.through_nics(peer, region, remote):
             return self.post(peer, region, remote, src, dst, stride, lengths, wire_imm, seconds, pages)
         # the GPU's copies and the staged paths take arrays
         starts, ends = np.asarray(src, dtype=np.int64) * stride, np.asarray(dst, dtype=np.int64) * stride
         sizes = lengths if isinstance(lengths, int) else np.asarray(lengths, dtype=np.uint64)
-        if through_ipc:
+        if remote.ipc is not None and self.ipc.route(peer, region, remote)[0]:
             return self.ipc.submit(peer, region, remote, starts.astype(np.uint64), ends.astype(np.uint64), sizes,
                                    wire_imm, seconds, starts.size if pages is None else pages)
         if remote.landing is not None:
             return staged.submit_landing(self, peer, region, remote, starts, ends, sizes, wire_imm, seconds)
         return staged.submit_staged(self, peer, region, remote, starts, ends, sizes, wire_imm, seconds)
+
+    def through_nics(self, peer: Peer, region: Region, remote: PeerRegion) -> bool:
+        """Whether writes from ``region`` into ``remote`` go through the NICs as they are (:meth:`post`)."""
+        ipc = remote.ipc is not None and self.ipc.route(peer, region, remote)[0]  # cuda-ipc, staging: not
+        return not (ipc or remote.landing is not None or region.staged)
 
     def admit(self, peer: Peer, region: Region, imm: int | None, timeout: float | None) -> tuple[int, float]:
         """Check that a transfer from ``region`` to ``peer`` may start; its immediate data as it goes on the
@@ -316,8 +320,7 @@ class Service:
         """:meth:`submit` of a region registered with the NICs, its input checked: ``imm`` as it goes on the
         wire (NO_IMM, a caller's value, or a landing lane's). A few writes may come as lists of ints."""
         n = len(src)
-        nbytes = n * lengths if isinstance(lengths, int) else int(sum(lengths) if isinstance(lengths, list)
-                                                                   else lengths.sum())
+        nbytes = n * lengths if isinstance(lengths, int) else int(np.sum(lengths))
         deadline = time.monotonic() + timeout
         transfer = Transfer(n, nbytes, deadline, Safety(self.timeout), pages)
         transfer._peer_process = peer.process

@@ -163,8 +163,8 @@ class Transfer(AwaitableFuture):
         self.set_running_or_notify_cancel()  # running: cancel() refuses instead of lying
 
     def _wait_here(self, timeout: float | None) -> float | None:
-        """Let the path finish the transfer on this thread, for up to FINISH_HERE_S of ``timeout``; returns
-        what is left of ``timeout`` for the ordinary wait."""
+        """Let the path finish the transfer on this thread, for up to FINISH_HERE_S of ``timeout`` (the cuda-ipc
+        path waits for its copy whole); returns what is left of ``timeout`` for the ordinary wait."""
         if self._finish_here is None or self.done() or timeout == 0:
             return timeout
         started = time.monotonic()

@@ -135,7 +135,6 @@ void flc_notify(fl_engine *e, uint32_t finished) {
     pthread_mutex_unlock(&st->done_lock);
 }
 
-
 /* The transfer's last write finished: the reaper is told, unless a caller is looking for it (fl_transfer_wait).
  * Sequentially consistent with the caller's looks: either this sees the caller looking, or the caller,
  * once it stops, sees the count at 0. (A caller that looked at an id as it was handed to another transfer
